@@ -1,0 +1,52 @@
+"""Small array helpers shared by the replica context, cross-device ops and strategies.
+
+They work on any array type with NumPy's attributes (``dtype``, ``shape``,
+``ndim``): NumPy arrays and CuPy arrays alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _nest
+from ._errors import InvalidArgumentError
+from ._ops import ReduceOp
+
+__all__ = ["check_reducible", "leaf_text", "structure_text"]
+
+# dtype kinds that can be reduced: signed/unsigned ints, floats, complex; bool for MIN/MAX.
+_NUMERIC_KINDS = frozenset("iufc")
+
+
+def leaf_text(array: Any) -> str:
+    """``float32[2, 3]`` for a 2-by-3 float32 array, ``float64[]`` for a scalar."""
+    return f"{array.dtype}[{', '.join(str(n) for n in array.shape)}]"
+
+
+class _Raw(str):
+    """A string whose repr is itself, to print structures of leaf descriptions."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def structure_text(value: object, arrays: list, limit: int = 160) -> str:
+    """A short description of ``value``'s nesting with each leaf as ``leaf_text``."""
+    text = repr(_nest.pack_as(value, [_Raw(leaf_text(a)) for a in arrays]))
+    if len(text) > limit:
+        text = f"{text[: limit - 1]}… ({len(arrays)} values)"
+    return text
+
+
+def check_reducible(op: ReduceOp, array: Any, where: str) -> None:
+    """Raise ``InvalidArgumentError`` when ``op`` cannot reduce ``array``'s dtype."""
+    kind = array.dtype.kind
+    if kind in _NUMERIC_KINDS or (kind == "b" and op in (ReduceOp.MIN, ReduceOp.MAX)):
+        return
+    raise InvalidArgumentError(
+        f"{where}: cannot reduce values of dtype {array.dtype} with {op.name}; expected "
+        "numeric arrays or scalars (integers, floats, complex; bool only with MIN/MAX). "
+        "Convert the value first, e.g. x.astype(np.int32)."
+    )

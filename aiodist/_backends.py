@@ -1,0 +1,146 @@
+"""Array backends: what a kind of device holds, and how code is placed on it.
+
+A backend is chosen once per device (``backend_for``), never by ``if cupy:`` at
+call sites. The scheduler and the cross-device ops talk to it through a small
+surface:
+
+- ``check(device)`` raises ``DeviceError`` when the device does not exist here;
+- ``new_stream(device)`` gives a replica its own stream (``None`` where there are
+  no streams), and ``activate(device, stream)`` / ``deactivate(token)`` make that
+  device and stream current around every step of the replica's coroutine
+  (``needs_activation`` is False where this is a no-op, so the scheduler skips it);
+- ``begin_cross_replica(slots)`` / ``end_cross_replica(token, slots)`` bracket
+  cross-replica work (collectives, ``merge_fn``) so it is ordered after each
+  replica's pending work and each replica's later work after it (CUDA events on
+  GPUs; nothing on the host, whose work is already done when issued);
+- ``asarray(value, device)`` places a value on a device, ``to_host(array)``
+  copies it back, and ``xp`` is the array namespace (``numpy`` or ``cupy``).
+
+``import aiodist`` imports NumPy only; CuPy is imported the first time a GPU
+device is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import numpy as np
+
+from ._devices import Device
+from ._errors import DeviceError
+
+__all__ = ["CpuBackend", "backend_for", "cpu_backend", "visible_gpu_count"]
+
+_CUPY_REMEDY = (
+    "install CuPy for your CUDA version: pip install 'aiodist[cuda12]' (CUDA 12.x) "
+    "or pip install 'aiodist[cuda13]' (CUDA 13.x)"
+)
+
+
+class CpuBackend:
+    """Logical CPU devices holding NumPy arrays; all in one process, no streams.
+
+    Any number of CPU devices exist (``cpu:0`` … ``cpu:N-1``); they share host
+    memory, so moving an array between them never copies.
+    """
+
+    kind = "CPU"
+    xp = np
+    needs_activation = False
+
+    def check(self, device: Device) -> None:
+        """CPU devices are logical: every index is available."""
+
+    def describe_available(self) -> str:
+        return "CPU devices: any index (logical devices on the host)"
+
+    def new_stream(self, device: Device) -> None:
+        return None
+
+    def activate(self, device: Device, stream: object) -> None:
+        return None
+
+    def deactivate(self, token: object) -> None:
+        return None
+
+    def begin_cross_replica(self, slots: Any) -> None:
+        return None
+
+    def end_cross_replica(self, token: object, slots: Any) -> None:
+        return None
+
+    def owns(self, value: object) -> bool:
+        return isinstance(value, np.ndarray | np.generic)
+
+    def asarray(self, value: object, device: Device) -> np.ndarray:
+        return np.asarray(value)
+
+    def to_host(self, value: object) -> np.ndarray:
+        return np.asarray(value)
+
+    def shared_view(self, array: np.ndarray) -> np.ndarray:
+        """A new read-only array object over ``array``'s memory.
+
+        All-reduce and all-gather results on CPU replicas are such views of one
+        shared buffer: each replica gets its own object, nobody pays for a copy,
+        and nobody can write into another replica's result.
+        """
+        view = array.view()
+        view.flags.writeable = False
+        return view
+
+
+cpu_backend = CpuBackend()
+
+
+def _cupy_installed() -> bool:
+    return importlib.util.find_spec("cupy") is not None
+
+
+def visible_gpu_count() -> int:
+    """How many GPUs CuPy sees here; 0 without CuPy or a working driver."""
+    if not _cupy_installed():
+        return 0
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+def _gpu_backend(device: Device) -> Any:
+    if not _cupy_installed():
+        raise DeviceError(
+            f"device {str(device)!r} is a GPU, but CuPy is not installed; {_CUPY_REMEDY}. "
+            "Available here: CPU devices (e.g. 'cpu:0', 'cpu:1')."
+        )
+    try:
+        import cupy
+
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:
+        raise DeviceError(
+            f"device {str(device)!r} is a GPU, but CUDA is not usable here ({exc}); "
+            "check the NVIDIA driver and that CuPy matches its CUDA version. "
+            "Available here: CPU devices (e.g. 'cpu:0', 'cpu:1')."
+        ) from exc
+    if device.index >= count:
+        gpus = ", ".join(f"'GPU:{i}'" for i in range(count)) or "none"
+        raise DeviceError(
+            f"device {str(device)!r} does not exist: CuPy sees {count} GPU(s) ({gpus}). "
+            "Available here: those GPUs and CPU devices (e.g. 'cpu:0')."
+        )
+    raise DeviceError(
+        f"device {str(device)!r}: GPU replicas are not implemented in this version of "
+        "aiodist yet (the CuPy stream backend is the next milestone); use CPU devices "
+        "such as 'cpu:0', 'cpu:1' meanwhile."
+    )
+
+
+def backend_for(device: Device) -> Any:
+    """The backend that holds arrays for ``device``; raises ``DeviceError`` if unusable."""
+    if device.kind == "CPU":
+        return cpu_backend
+    return _gpu_backend(device)

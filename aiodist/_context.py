@@ -1,0 +1,177 @@
+"""Replica and cross-replica contexts, kept in a ``contextvars.ContextVar``.
+
+The state is one immutable ``_State(strategy, replica, in_scope)``:
+
+=============================  ==========  =========  =================================
+where the code runs            strategy    replica    get_replica_context()
+=============================  ==========  =========  =================================
+outside any scope              None        None       the default replica context
+``with s.scope():``            s           None       None (cross-replica context)
+inside ``s.run(fn)``'s ``fn``  s           ctx        ctx (that replica's context)
+inside a ``merge_fn``          s           None       None (cross-replica context)
+=============================  ==========  =========  =================================
+
+Every asyncio task copies the context it was created in, so concurrent tasks (a
+server's requests, the replicas of one run) never see each other's state:
+unlike TensorFlow's thread-local stacks, nothing leaks between coroutines.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from ._errors import ContextError
+
+if TYPE_CHECKING:
+    from ._replica_context import ReplicaContext
+    from ._strategy import Strategy
+
+__all__ = [
+    "current_state",
+    "experimental_set_strategy",
+    "get_cross_replica_context",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+    "register_default_strategy",
+    "replica_state",
+    "require_cross_replica",
+    "scope_of",
+]
+
+
+class _State(NamedTuple):
+    strategy: Any  # Strategy | None (None: the default strategy)
+    replica: Any  # ReplicaContext | None
+    in_scope: bool  # entered with `with strategy.scope()` (vs experimental_set_strategy)
+
+
+_OUTSIDE = _State(None, None, False)
+_STATE: contextvars.ContextVar[_State] = contextvars.ContextVar("aiodist_state", default=_OUTSIDE)
+_default: dict[str, Any] = {}
+
+
+def register_default_strategy(strategy: Strategy, replica_context: ReplicaContext) -> None:
+    """Called once by the strategy module: the objects used outside any scope."""
+    _default["strategy"] = strategy
+    _default["replica_context"] = replica_context
+
+
+def current_state() -> _State:
+    return _STATE.get()
+
+
+def replica_state(strategy: Strategy, replica: ReplicaContext | None) -> _State:
+    """The state inside a replica function (``replica``) or a merge_fn (None)."""
+    return _State(strategy, replica, True)
+
+
+def set_state(state: _State) -> contextvars.Token:
+    return _STATE.set(state)
+
+
+def get_strategy() -> Strategy:
+    """The current strategy: the one whose scope (or run) we are in, else the default."""
+    strategy = _STATE.get().strategy
+    return _default["strategy"] if strategy is None else strategy
+
+
+def has_strategy() -> bool:
+    """Whether a strategy other than the default one is current."""
+    return _STATE.get().strategy is not None
+
+
+def in_cross_replica_context() -> bool:
+    """True in a strategy's scope or a merge_fn; False in a replica function or outside."""
+    state = _STATE.get()
+    return state.strategy is not None and state.replica is None
+
+
+def get_replica_context() -> ReplicaContext | None:
+    """The current replica's context; the default one outside any scope; None in
+    cross-replica context."""
+    state = _STATE.get()
+    if state.replica is not None:
+        return state.replica
+    if state.strategy is None:
+        return _default["replica_context"]
+    return None
+
+
+def get_cross_replica_context() -> Strategy | None:
+    """The current strategy in cross-replica context (the default one outside any
+    scope); None inside a replica function."""
+    state = _STATE.get()
+    if state.replica is not None:
+        return None
+    return _default["strategy"] if state.strategy is None else state.strategy
+
+
+def experimental_set_strategy(strategy: Strategy | None) -> None:
+    """Make ``strategy`` current without a ``with`` block (None: back to the default).
+
+    Meant for interactive use; not allowed inside a ``with strategy.scope()``.
+    """
+    if _STATE.get().in_scope:
+        raise ContextError(
+            "experimental_set_strategy() was called inside a strategy scope or replica "
+            "function; leave the `with strategy.scope():` block first, or use the scope "
+            "instead of experimental_set_strategy()."
+        )
+    if strategy is not None and strategy is _default.get("strategy"):
+        strategy = None
+    _STATE.set(_OUTSIDE if strategy is None else _State(strategy, None, False))
+
+
+def _mixing(current: Strategy, other: Strategy) -> ContextError:
+    return ContextError(
+        f"Mixing different aiodist strategies: {other!r} was used while {current!r} is "
+        "current. Use one strategy per scope: leave the other strategy's "
+        "`with ...scope():` block (or its run) first."
+    )
+
+
+@contextmanager
+def scope_of(strategy: Strategy) -> Iterator[Strategy]:
+    """``strategy.scope()``: make it current and enter cross-replica context.
+
+    Re-entering the current strategy (in its scope or in one of its replica
+    functions) changes nothing; entering a different one raises ``ContextError``.
+    """
+    state = _STATE.get()
+    if strategy is _default.get("strategy") or state.strategy is strategy:
+        if state.strategy is strategy and not state.in_scope:
+            token = _STATE.set(state._replace(in_scope=True))
+            try:
+                yield strategy
+            finally:
+                _STATE.reset(token)
+        else:
+            yield strategy
+        return
+    if state.strategy is not None:
+        raise _mixing(state.strategy, strategy)
+    token = _STATE.set(_State(strategy, None, True))
+    try:
+        yield strategy
+    finally:
+        _STATE.reset(token)
+
+
+def require_cross_replica(strategy: Strategy, method: str) -> None:
+    """Raise ``ContextError`` unless cross-replica (or default) context of ``strategy``."""
+    state = _STATE.get()
+    if state.replica is not None:
+        raise ContextError(
+            f"{method}() needs cross-replica context, but it was called in replica "
+            f"context (replica {state.replica.replica_id_in_sync_group} of a run). "
+            "Inside a replica function use `await aiodist.get_replica_context()"
+            f".merge_call(merge_fn)` and call {method}() from merge_fn, or use the "
+            "ReplicaContext collectives (all_reduce, all_gather)."
+        )
+    if state.strategy is not None and state.strategy is not strategy:
+        raise _mixing(state.strategy, strategy)

@@ -1,0 +1,340 @@
+"""Cross-device ops: how per-replica values are combined and moved between devices.
+
+The public methods (``reduce``, ``batch_reduce``, ``broadcast``, ``gather``) are
+coroutines, as everywhere data moves in cross-replica code. Underneath are
+synchronous primitives that only *issue* work (on GPUs it runs later, in stream
+order), which the scheduler calls when a collective completes:
+
+- ``_reduce_arrays(op, arrays, target)``: one reduced array on ``target``;
+- ``_broadcast_array(array, destinations)``: one handle per destination;
+- ``_all_reduce_flat`` / ``_all_gather_flat``: the replica-context collectives,
+  on lists of leaves (one list per replica).
+
+Results on CPU devices: every destination receives its own *read-only view* of
+one shared result buffer (logical CPU devices share host memory, so a copy per
+replica would only cost bandwidth). Copy a result (``x.copy()``) to modify it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._arrays import check_reducible, leaf_text
+from ._backends import backend_for
+from ._devices import Device, parse_device
+from ._errors import InvalidArgumentError
+from ._ops import ReduceOp
+from ._options import CommunicationOptions
+from ._values import DistributedValues, Mirrored
+
+__all__ = ["CrossDeviceOps", "ReductionToOneDevice", "resolve_destinations"]
+
+
+def resolve_destinations(destinations: Any) -> tuple[Device, ...]:
+    """The devices named by ``destinations``.
+
+    Accepted: a device string or ``Device``; a list/tuple of them; an array
+    (its device: NumPy arrays live on ``/device:CPU:0``); a distributed value or
+    variable (its components' devices).
+    """
+    if isinstance(destinations, str | Device):
+        devices: tuple[Device, ...] = (parse_device(destinations),)
+    elif isinstance(destinations, DistributedValues):
+        if destinations._devices is None:
+            raise InvalidArgumentError(
+                f"destinations={destinations!r} does not know its devices; pass a value "
+                "made by a strategy (run, experimental_distribute_values_from_function) "
+                "or a device string."
+            )
+        devices = destinations._devices
+    elif hasattr(destinations, "_aiodist_devices"):  # distributed variables
+        devices = tuple(destinations._aiodist_devices)
+    elif isinstance(destinations, np.ndarray | np.generic):
+        devices = (Device("CPU", 0),)
+    elif _is_cupy_array(destinations):
+        devices = (Device("GPU", int(destinations.device.id)),)
+    elif isinstance(destinations, list | tuple) and destinations:
+        devices = tuple(parse_device(d) for d in destinations)
+    else:
+        raise InvalidArgumentError(
+            f"destinations={destinations!r}; expected a device string (e.g. 'cpu:0'), a "
+            "list of them, an array, or a distributed value / variable."
+        )
+    for device in devices:
+        backend_for(device).check(device)
+    return devices
+
+
+def _is_cupy_array(value: object) -> bool:
+    return type(value).__module__.startswith("cupy") and hasattr(value, "device")
+
+
+def _pack_indices(arrays: Sequence[Any], bytes_per_pack: int) -> list[list[int]]:
+    """Group leaf indices into packs of one dtype, each about ``bytes_per_pack`` bytes."""
+    packs: dict[Any, list[list[int]]] = {}
+    sizes: dict[Any, int] = {}
+    for index, array in enumerate(arrays):
+        groups = packs.setdefault(array.dtype, [[]])
+        if bytes_per_pack and groups[-1] and sizes[array.dtype] + array.nbytes > bytes_per_pack:
+            groups.append([])
+            sizes[array.dtype] = 0
+        groups[-1].append(index)
+        sizes[array.dtype] = sizes.get(array.dtype, 0) + array.nbytes
+    return [group for groups in packs.values() for group in groups]
+
+
+class CrossDeviceOps:
+    """Base class of the ways to reduce, broadcast and gather across devices.
+
+    Subclasses implement ``_reduce_arrays`` and may override the other
+    primitives; the public coroutines are built on them.
+    """
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    # -- primitives ----------------------------------------------------------------
+
+    def _reduce_arrays(self, op: ReduceOp, arrays: Sequence[Any], target: Device) -> Any:
+        raise NotImplementedError
+
+    def _gather_device(self, destinations: Sequence[Device]) -> Device:
+        return destinations[0]
+
+    def _broadcast_array(self, array: Any, destinations: Sequence[Device]) -> list:
+        out = []
+        for device in destinations:
+            backend = backend_for(device)
+            out.append(backend.shared_view(backend.asarray(array, device)))
+        return out
+
+    def _all_reduce_flat(
+        self,
+        op: ReduceOp,
+        per_replica: Sequence[Sequence[Any]],
+        devices: Sequence[Device],
+        options: CommunicationOptions,
+    ) -> list[list]:
+        """All-reduce lists of leaves: ``per_replica[r][i]`` is replica r's leaf i."""
+        num_leaves = len(per_replica[0])
+        out: list[list] = [[None] * num_leaves for _ in per_replica]
+        target = self._gather_device(devices)
+        for pack in _pack_indices(per_replica[0], options.bytes_per_pack):
+            if len(pack) == 1:
+                (index,) = pack
+                reduced = self._reduce_arrays(op, [leaves[index] for leaves in per_replica], target)
+                for replica, view in enumerate(self._broadcast_array(reduced, devices)):
+                    out[replica][index] = view
+                continue
+            xp = backend_for(target).xp
+            buffers = [xp.concatenate([leaves[i].ravel() for i in pack]) for leaves in per_replica]
+            reduced = self._reduce_arrays(op, buffers, target)
+            for replica, flat in enumerate(self._broadcast_array(reduced, devices)):
+                offset = 0
+                for index in pack:
+                    shape = per_replica[replica][index].shape
+                    size = per_replica[replica][index].size
+                    out[replica][index] = flat[offset : offset + size].reshape(shape)
+                    offset += size
+        return out
+
+    def _all_gather_flat(
+        self,
+        per_replica: Sequence[Sequence[Any]],
+        axis: int,
+        devices: Sequence[Device],
+        options: CommunicationOptions,
+    ) -> list[list]:
+        target = self._gather_device(devices)
+        backend = backend_for(target)
+        out: list[list] = [[] for _ in per_replica]
+        for index in range(len(per_replica[0])):
+            parts = [backend.asarray(leaves[index], target) for leaves in per_replica]
+            gathered = backend.xp.concatenate(parts, axis=axis)
+            for replica, view in enumerate(self._broadcast_array(gathered, devices)):
+                out[replica].append(view)
+        return out
+
+    # -- public API ------------------------------------------------------------------
+
+    async def reduce(
+        self,
+        reduce_op: ReduceOp | str,
+        per_replica_value: Any,
+        destinations: Any,
+        options: CommunicationOptions | None = None,
+    ) -> Any:
+        """Reduce ``per_replica_value`` to ``destinations``.
+
+        Returns one array for a single destination, else a ``Mirrored`` with one
+        component per destination. A value that is not distributed counts as
+        one replica's value.
+        """
+        op = ReduceOp.of(reduce_op)
+        devices = resolve_destinations(destinations)
+        arrays = _components(per_replica_value, "reduce")
+        _check_alike(arrays, "reduce")
+        for array in arrays:
+            check_reducible(op, array, "reduce")
+        reduced = self._reduce_arrays(op, arrays, devices[0])
+        return self._deliver(reduced, devices)
+
+    async def batch_reduce(
+        self,
+        reduce_op: ReduceOp | str,
+        value_destination_pairs: Sequence[tuple[Any, Any]],
+        options: CommunicationOptions | None = None,
+    ) -> list:
+        """``reduce`` for each ``(value, destinations)`` pair; a list of results."""
+        if isinstance(value_destination_pairs, str | bytes) or not all(
+            isinstance(pair, list | tuple) and len(pair) == 2 for pair in value_destination_pairs
+        ):
+            raise InvalidArgumentError(
+                f"value_destination_pairs={value_destination_pairs!r}; expected a list of "
+                "(value, destinations) pairs."
+            )
+        return [
+            await self.reduce(reduce_op, value, destinations, options)
+            for value, destinations in value_destination_pairs
+        ]
+
+    async def broadcast(self, tensor: Any, destinations: Any) -> Any:
+        """Copy ``tensor`` to every device of ``destinations``."""
+        devices = resolve_destinations(destinations)
+        if isinstance(tensor, DistributedValues):
+            raise InvalidArgumentError(
+                f"broadcast: tensor is a {type(tensor).__name__}; expected a single array "
+                "(reduce it first, or pick a component with experimental_local_results)."
+            )
+        source = backend_for(devices[0]).asarray(tensor, devices[0])
+        return self._deliver(source, devices, copy=True)
+
+    async def gather(
+        self,
+        per_replica_value: Any,
+        destinations: Any,
+        axis: int,
+        options: CommunicationOptions | None = None,
+    ) -> Any:
+        """Concatenate the components of ``per_replica_value`` along ``axis``."""
+        devices = resolve_destinations(destinations)
+        arrays = _components(per_replica_value, "gather")
+        _check_gatherable(arrays, axis, "gather")
+        backend = backend_for(devices[0])
+        parts = [backend.asarray(array, devices[0]) for array in arrays]
+        return self._deliver(backend.xp.concatenate(parts, axis=axis), devices)
+
+    def _deliver(self, array: Any, devices: Sequence[Device], copy: bool = False) -> Any:
+        if len(devices) == 1:
+            backend = backend_for(devices[0])
+            placed = backend.asarray(array, devices[0])
+            return placed.copy() if copy and placed is array else placed
+        return Mirrored(self._broadcast_array(array, devices), devices)
+
+
+class ReductionToOneDevice(CrossDeviceOps):
+    """Copy every value to one device, combine them there, broadcast the result.
+
+    Args:
+        reduce_to_device: where values are combined (default: the first
+            destination).
+        accumulation_fn: ``fn(list_of_arrays) -> array`` used to add values for
+            SUM and MEAN (default: element-wise addition). MIN, MAX and PRODUCT
+            always use their element-wise ufunc.
+
+    Works for any mix of CPU devices, and for several replicas on one device.
+    """
+
+    def __init__(
+        self,
+        reduce_to_device: str | Device | None = None,
+        accumulation_fn: Callable[[list], Any] | None = None,
+    ):
+        self.reduce_to_device = None if reduce_to_device is None else parse_device(reduce_to_device)
+        if accumulation_fn is not None and not callable(accumulation_fn):
+            raise InvalidArgumentError(
+                f"accumulation_fn={accumulation_fn!r} is not callable; expected a function "
+                "taking a list of arrays and returning their element-wise sum, or None."
+            )
+        self.accumulation_fn = accumulation_fn
+
+    def __repr__(self) -> str:
+        device = None if self.reduce_to_device is None else str(self.reduce_to_device)
+        return f"ReductionToOneDevice(reduce_to_device={device!r})"
+
+    def _gather_device(self, destinations: Sequence[Device]) -> Device:
+        return self.reduce_to_device or destinations[0]
+
+    def _reduce_arrays(self, op: ReduceOp, arrays: Sequence[Any], target: Device) -> Any:
+        target = self.reduce_to_device or target
+        backend = backend_for(target)
+        xp = backend.xp
+        values = [backend.asarray(array, target) for array in arrays]
+        if self.accumulation_fn is not None and op in (ReduceOp.SUM, ReduceOp.MEAN):
+            total = backend.asarray(self.accumulation_fn(values), target)
+        elif len(values) == 1:
+            total = values[0].copy()
+        else:
+            combine = getattr(xp, op.ufunc)
+            total = combine(values[0], values[1])
+            for value in values[2:]:
+                combine(total, value, out=total)
+        if op.divides_by_count:
+            if total.dtype.kind in "fc":
+                total /= len(values)
+            else:  # integers: a float mean, as TensorFlow and NumPy give
+                total = xp.true_divide(total, len(values))
+        return total
+
+
+def _components(value: Any, where: str) -> list:
+    if isinstance(value, DistributedValues):
+        parts = list(value._values)
+        devices = value._devices or (None,) * len(parts)
+    else:
+        parts, devices = [value], (None,)
+    arrays = []
+    for part, device in zip(parts, devices, strict=True):
+        device = device or Device("CPU", 0)
+        arrays.append(backend_for(device).asarray(part, device))
+    return arrays
+
+
+def _check_alike(arrays: Sequence[Any], where: str) -> None:
+    first = arrays[0]
+    odd = [i for i, a in enumerate(arrays) if a.shape != first.shape or a.dtype != first.dtype]
+    if odd:
+        seen = "; ".join(f"replica {i}: {leaf_text(a)}" for i, a in enumerate(arrays))
+        raise InvalidArgumentError(
+            f"{where}: per-replica values differ in shape or dtype ({seen}); every replica "
+            "must hold the same shape and dtype. To combine uneven batches, reduce with "
+            "axis=0 (strategy.reduce) or gather them."
+        )
+
+
+def _check_gatherable(arrays: Sequence[Any], axis: int, where: str) -> None:
+    first = arrays[0]
+    for array in arrays:
+        if array.ndim == 0:
+            raise InvalidArgumentError(
+                f"{where}: a rank-0 value ({leaf_text(array)}) has no axis to concatenate "
+                "along; give it one first (x[None])."
+            )
+        if not -array.ndim <= axis < array.ndim:
+            raise InvalidArgumentError(
+                f"{where}: axis={axis} is out of range for shape {tuple(array.shape)}; "
+                f"expected {-array.ndim} <= axis < {array.ndim}."
+            )
+    along = axis % first.ndim
+
+    def others(a: Any) -> tuple:
+        return tuple(n for i, n in enumerate(a.shape) if i != along), a.ndim, a.dtype
+
+    if any(others(a) != others(first) for a in arrays):
+        seen = "; ".join(f"replica {i}: {leaf_text(a)}" for i, a in enumerate(arrays))
+        raise InvalidArgumentError(
+            f"{where}: shapes may differ only along axis {axis}, but got {seen}."
+        )

@@ -1,0 +1,75 @@
+"""Device names: parsing, canonical form, and the device objects replicas run on.
+
+Accepted spellings (any case): ``"GPU:0"``, ``"/gpu:0"``, ``"device:GPU:0"``,
+``"/device:GPU:0"`` and ``"/job:localhost/replica:0/task:0/device:GPU:1"``, and the
+same for ``CPU``. The canonical form is ``"/device:GPU:0"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from ._errors import DeviceError
+
+__all__ = ["Device", "canonical_device", "parse_device"]
+
+_DEVICE_RE = re.compile(
+    r"""^
+    (?:/job:localhost(?:/replica:0)?(?:/task:0)?)?   # optional local-job prefix
+    (?:/?device:|/)?                                # '/device:', 'device:' or '/'
+    (?P<kind>cpu|gpu):(?P<index>\d+)
+    $""",
+    re.IGNORECASE | re.VERBOSE,
+)
+
+_EXPECTED = (
+    "expected 'CPU:<i>' or 'GPU:<i>', optionally as '/cpu:0', '/device:GPU:1' "
+    "or '/job:localhost/replica:0/task:0/device:GPU:1'"
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, order=True)
+class Device:
+    """One logical device: ``kind`` is ``"CPU"`` or ``"GPU"``, ``index`` counts from 0.
+
+    ``str(device)`` is the canonical name, e.g. ``"/device:GPU:0"``. CPU devices
+    are logical: any number of them share the host and hold NumPy arrays.
+    """
+
+    kind: str
+    index: int
+
+    def __str__(self) -> str:
+        return f"/device:{self.kind}:{self.index}"
+
+    def __repr__(self) -> str:
+        return f"Device({str(self)!r})"
+
+    @property
+    def name(self) -> str:
+        """The canonical name, ``"/device:KIND:i"``."""
+        return str(self)
+
+
+def parse_device(spec: str | Device) -> Device:
+    """The :class:`Device` named by ``spec``; raises ``DeviceError`` if malformed.
+
+    Availability (is there such a GPU?) is checked by the backends, not here.
+    """
+    if isinstance(spec, Device):
+        return spec
+    if not isinstance(spec, str):
+        raise DeviceError(f"device {spec!r} is a {type(spec).__name__}; {_EXPECTED}.")
+    match = _DEVICE_RE.match(spec.strip())
+    if match is None:
+        hint = ""
+        if spec.strip().lower().startswith("/job:") and "localhost" not in spec.lower():
+            hint = " Devices of other jobs or tasks (multi-worker) are not supported."
+        raise DeviceError(f"device string {spec!r} is not understood; {_EXPECTED}.{hint}")
+    return Device(match["kind"].upper(), int(match["index"]))
+
+
+def canonical_device(spec: str | Device) -> str:
+    """The canonical name of a device string: ``canonical_device("gpu:1") == "/device:GPU:1"``."""
+    return str(parse_device(spec))

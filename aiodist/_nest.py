@@ -1,0 +1,115 @@
+"""Nested structures: lists, tuples, namedtuples and dicts of leaves.
+
+Everything else is a leaf (arrays, scalars, None, DistributedValues, ...). Dict
+entries are visited in sorted key order (insertion order when the keys do not
+sort), so two dicts with the same keys flatten alike whatever order they were
+built in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = [
+    "children",
+    "flatten",
+    "is_nested",
+    "map_structure",
+    "pack_as",
+    "rebuild",
+    "same_shape",
+    "skeleton",
+]
+
+
+def is_nested(value: object) -> bool:
+    return isinstance(value, list | tuple | dict)
+
+
+def _is_namedtuple(value: object) -> bool:
+    return isinstance(value, tuple) and hasattr(type(value), "_fields")
+
+
+def _keys(mapping: dict) -> list:
+    try:
+        return sorted(mapping)
+    except TypeError:
+        return list(mapping)
+
+
+def children(value: list | tuple | dict) -> list:
+    """The direct children of a nested value, in visiting order."""
+    if isinstance(value, dict):
+        return [value[key] for key in _keys(value)]
+    return list(value)
+
+
+def rebuild(template: list | tuple | dict, new_children: list) -> Any:
+    """A container of ``template``'s type and keys holding ``new_children``."""
+    if isinstance(template, dict):
+        items = dict(zip(_keys(template), new_children, strict=True))
+        # Keep the template's own key order in the result.
+        return type(template)((key, items[key]) for key in template)
+    if _is_namedtuple(template):
+        return type(template)(*new_children)
+    if isinstance(template, tuple):
+        return tuple(new_children) if type(template) is tuple else type(template)(new_children)
+    return list(new_children) if type(template) is list else type(template)(new_children)
+
+
+def _iter_leaves(value: object) -> Iterator[object]:
+    if is_nested(value):
+        for child in children(value):
+            yield from _iter_leaves(child)
+    else:
+        yield value
+
+
+def flatten(value: object) -> list:
+    """The leaves of ``value``, depth first."""
+    if not is_nested(value):
+        return [value]
+    return list(_iter_leaves(value))
+
+
+def pack_as(template: object, leaves: list) -> Any:
+    """The structure of ``template`` filled with ``leaves`` (inverse of ``flatten``)."""
+    iterator = iter(leaves)
+
+    def build(node: object) -> Any:
+        if is_nested(node):
+            return rebuild(node, [build(child) for child in children(node)])
+        return next(iterator)
+
+    return build(template)
+
+
+def same_shape(a: object, b: object) -> bool:
+    """Whether ``a`` and ``b`` have the same nesting (types, lengths and keys)."""
+    if not is_nested(a) or not is_nested(b):
+        return is_nested(a) == is_nested(b)
+    if type(a) is not type(b) and not (isinstance(a, list) and isinstance(b, list)):
+        return False
+    if isinstance(a, dict):
+        if set(a) != set(b):
+            return False
+    elif len(a) != len(b):
+        return False
+    return all(same_shape(x, y) for x, y in zip(children(a), children(b), strict=True))
+
+
+def map_structure(fn: Callable[[object], object], value: object) -> Any:
+    """``value`` with ``fn`` applied to every leaf."""
+    if is_nested(value):
+        return rebuild(value, [map_structure(fn, child) for child in children(value)])
+    return fn(value)
+
+
+def skeleton(value: object) -> object:
+    """A hashable summary of ``value``'s nesting (leaves become None)."""
+    if isinstance(value, dict):
+        return ("dict", tuple((key, skeleton(value[key])) for key in _keys(value)))
+    if isinstance(value, list | tuple):
+        return (type(value).__name__, tuple(skeleton(child) for child in value))
+    return None

@@ -1,0 +1,285 @@
+"""The rendezvous engine: matching collective calls across the replicas of one group.
+
+This module knows nothing about arrays, devices or strategies. It only matches
+*arrivals* and guarantees that nobody waits forever.
+
+Protocol
+--------
+A group has ``N`` replicas. Each replica numbers its own collective calls
+0, 1, 2, ... in the order it makes them (``merge_call``, ``all_reduce`` and
+``all_gather`` share one counter). ``arrive(replica, signature, payload)``
+registers replica ``r``'s next call *immediately* and returns an
+``asyncio.Future`` for its result, so a replica may start a collective, keep
+computing, and await the result later.
+
+Call number ``k`` completes when all ``N`` replicas have arrived at ``k`` with
+equal signatures. Then the group's ``execute(k, signature, payloads)`` runs
+exactly once, with the payloads in replica order. It returns either the list of
+per-replica results, or an ``asyncio.Future`` of that list (cross-replica work
+that must await, such as an ``async`` merge_fn). Each replica's future receives
+its own element. If ``execute`` raises, every replica's future raises that
+exception.
+
+Never hang
+----------
+TensorFlow hangs when replicas disagree. Here each disagreement fails the call,
+in every replica already waiting in it and in every replica that arrives later:
+
+- *mismatch*: a replica arrives at ``k`` with a signature different from the
+  first arrival's (``CollectiveMismatchError``, listing what each replica called);
+- *exit*: a replica that made ``m`` calls returns or raises; every call
+  ``k >= m`` can never complete (``ReplicaExitedError``, naming the replica, the
+  collective and ``k``);
+- *timeout*: ``timeout`` seconds after the first arrival at ``k``, some replica
+  has still not arrived (``RendezvousTimeoutError``, naming the missing ones);
+- *close*: the group is torn down while calls are pending.
+
+Futures are created on the running loop at arrival, so an engine is not tied to
+a loop before it is used; the scheduler still makes one engine per run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+from ._errors import (
+    CollectiveMismatchError,
+    RendezvousError,
+    RendezvousTimeoutError,
+    ReplicaExitedError,
+)
+
+__all__ = ["Rendezvous", "Signature"]
+
+_ORDER_HINT = (
+    "every replica must make the same collective calls (merge_call, all_reduce, "
+    "all_gather) in the same order"
+)
+
+
+class Signature:
+    """What one replica called: compared across replicas, shown in error messages.
+
+    ``name`` is the collective (``"all_reduce"``), ``key`` is what must be equal
+    on every replica (op, structure, shapes, dtypes), and ``text`` says it for a
+    person (``"all_reduce(SUM, float32[3])"``).
+    """
+
+    __slots__ = ("key", "name", "text")
+
+    def __init__(self, name: str, key: Hashable, text: str):
+        self.name = name
+        self.key = key
+        self.text = text
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Signature):
+            return NotImplemented
+        return self.name == other.name and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.key))
+
+    def __repr__(self) -> str:
+        return f"Signature({self.text})"
+
+
+def _ids(replicas: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in sorted(replicas)) or "none"
+
+
+def _replicas(replicas: Sequence[int]) -> str:
+    word = "replica" if len(replicas) == 1 else "replicas"
+    return f"{word} {_ids(replicas)}"
+
+
+class _Call:
+    __slots__ = ("arrivals", "failure", "futures", "name", "number", "timeout", "timer")
+
+    def __init__(self, number: int, name: str):
+        self.number = number
+        self.name = name
+        self.arrivals: dict[int, tuple[Signature, Any]] = {}
+        self.futures: dict[int, asyncio.Future] = {}
+        self.timer: asyncio.TimerHandle | None = None
+        self.timeout: float | None = None
+        self.failure: BaseException | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} #{self.number}"
+
+
+Execute = Callable[[int, Signature, list], "list | asyncio.Future"]
+
+
+class Rendezvous:
+    """Matches the collective calls of ``num_replicas`` replicas by call number."""
+
+    def __init__(self, num_replicas: int, execute: Execute):
+        self.num_replicas = num_replicas
+        self._execute = execute
+        self._next_number = [0] * num_replicas
+        self._pending: dict[int, _Call] = {}
+        self._exited: dict[int, tuple[int, str]] = {}  # replica -> (calls made, how)
+        self._closed: RendezvousError | None = None
+
+    def __repr__(self) -> str:
+        pending = ", ".join(
+            f"{call.label} (arrived {_ids(list(call.arrivals))})" for call in self._pending.values()
+        )
+        return f"<Rendezvous replicas={self.num_replicas} pending=[{pending}]>"
+
+    # -- arrivals ----------------------------------------------------------------
+
+    def arrive(
+        self,
+        replica: int,
+        signature: Signature,
+        payload: Any,
+        timeout: float | None = None,
+    ) -> asyncio.Future:
+        """Register ``replica``'s next collective call; return the future of its result."""
+        future = asyncio.get_running_loop().create_future()
+        number = self._next_number[replica]
+        self._next_number[replica] = number + 1
+        if self._closed is not None:
+            future.set_exception(self._closed)
+            return future
+
+        call = self._pending.get(number)
+        if call is None:
+            call = self._pending[number] = _Call(number, signature.name)
+            if timeout is not None:
+                call.timeout = timeout
+                call.timer = future.get_loop().call_later(timeout, self._time_out, call)
+        call.arrivals[replica] = (signature, payload)
+        call.futures[replica] = future
+
+        if call.failure is not None:
+            future.set_exception(call.failure)
+        elif signature != next(iter(call.arrivals.values()))[0]:
+            self._fail(call, CollectiveMismatchError(self._mismatch_message(call)))
+        elif (gone := self._exited_before(number)) is not None:
+            self._fail(call, ReplicaExitedError(self._exit_message(call, *gone)))
+        elif len(call.arrivals) == self.num_replicas:
+            self._complete(call)
+        return future
+
+    def replica_exited(self, replica: int, how: str) -> None:
+        """``replica`` finished (``how``: "returned", "raised ValueError", ...).
+
+        Every call it never joined fails now, and so will every later arrival
+        at those call numbers.
+        """
+        made = self._next_number[replica]
+        self._exited[replica] = (made, how)
+        for number, call in list(self._pending.items()):
+            if number >= made and call.failure is None:
+                self._fail(call, ReplicaExitedError(self._exit_message(call, replica, how)))
+
+    def close(self, reason: str = "the run finished") -> None:
+        """Fail every pending call and every later arrival; cancel timers."""
+        if self._closed is None:
+            self._closed = RendezvousError(f"the replica group is closed: {reason}.")
+        for call in list(self._pending.values()):
+            if call.failure is None:
+                self._fail(call, self._closed)
+            elif call.timer is not None:
+                call.timer.cancel()
+        self._pending.clear()
+
+    def pending(self) -> list[tuple[str, list[int], list[int]]]:
+        """(label, arrived replicas, missing replicas) for every call in flight."""
+        everyone = range(self.num_replicas)
+        return [
+            (call.label, sorted(call.arrivals), [r for r in everyone if r not in call.arrivals])
+            for call in self._pending.values()
+            if call.failure is None
+        ]
+
+    # -- completion and failure ---------------------------------------------------
+
+    def _complete(self, call: _Call) -> None:
+        del self._pending[call.number]
+        if call.timer is not None:
+            call.timer.cancel()
+        signature = call.arrivals[0][0]
+        payloads = [call.arrivals[r][1] for r in range(self.num_replicas)]
+        try:
+            results = self._execute(call.number, signature, payloads)
+        except Exception as exc:
+            self._fail(call, exc)
+            return
+        if isinstance(results, asyncio.Future):
+            results.add_done_callback(lambda done: self._deliver_later(call, done))
+        else:
+            self._deliver(call, results)
+
+    def _deliver(self, call: _Call, results: Sequence[Any]) -> None:
+        for replica, future in call.futures.items():
+            if not future.done():
+                future.set_result(results[replica])
+
+    def _deliver_later(self, call: _Call, done: asyncio.Future) -> None:
+        if done.cancelled():
+            self._fail(call, RendezvousError(f"{call.label} was cancelled while it ran."))
+        elif (exc := done.exception()) is not None:
+            self._fail(call, exc)
+        else:
+            self._deliver(call, done.result())
+
+    def _fail(self, call: _Call, exc: BaseException) -> None:
+        call.failure = exc
+        if call.timer is not None:
+            call.timer.cancel()
+            call.timer = None
+        for future in call.futures.values():
+            if not future.done():
+                future.set_exception(exc)
+
+    def _time_out(self, call: _Call) -> None:
+        call.timer = None
+        if call.failure is not None or self._pending.get(call.number) is not call:
+            return
+        missing = [r for r in range(self.num_replicas) if r not in call.arrivals]
+        self._fail(
+            call,
+            RendezvousTimeoutError(
+                f"{call.label}: timed out after {call.timeout:g} s waiting for "
+                f"{_replicas(missing)}; {_replicas(list(call.arrivals))} arrived. "
+                f"Check that {_replicas(missing)} reach this call ({_ORDER_HINT}), or "
+                "raise CommunicationOptions(timeout_seconds=...) if they are just slow."
+            ),
+        )
+
+    # -- messages -------------------------------------------------------------------
+
+    def _exited_before(self, number: int) -> tuple[int, str] | None:
+        for replica, (made, how) in self._exited.items():
+            if made <= number:
+                return replica, how
+        return None
+
+    def _exit_message(self, call: _Call, replica: int, how: str) -> str:
+        waiting = sorted(call.arrivals)
+        verb = "waits" if len(waiting) == 1 else "wait"
+        return (
+            f"{call.label}: replica {replica} {how} without calling it, while "
+            f"{_replicas(waiting)} {verb} in it; {_ORDER_HINT}. "
+            "Probably a replica skipped a collective on some condition."
+        )
+
+    def _mismatch_message(self, call: _Call) -> str:
+        by_text: dict[str, list[int]] = {}
+        for replica, (signature, _) in call.arrivals.items():
+            by_text.setdefault(signature.text, []).append(replica)
+        calls = "; ".join(f"{_replicas(ids)} called {text}" for text, ids in by_text.items())
+        missing = [r for r in range(self.num_replicas) if r not in call.arrivals]
+        not_yet = f" ({_replicas(missing)} not arrived yet)" if missing else ""
+        return (
+            f"collective #{call.number} does not match across replicas: {calls}{not_yet}; "
+            f"{_ORDER_HINT}, with the same reduce op, structure, shapes and dtypes."
+        )

@@ -1,0 +1,235 @@
+"""``ReplicaContext``: what a replica function can do, as that replica.
+
+The three collectives are *sync-coloured functions that return an awaitable*:
+calling one registers this replica's arrival at its next call number right
+away, and the returned ``asyncio.Future`` completes when every replica of the
+run has arrived and the cross-replica side has run. So ::
+
+    pending = ctx.all_reduce("sum", grads)   # registered now
+    loss = compute_loss()                    # overlap
+    grads = await pending                    # the reduced value
+
+is valid, and ``await ctx.all_reduce(...)`` is the common form.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import operator
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from . import _context, _nest
+from ._arrays import check_reducible, leaf_text, structure_text
+from ._errors import ContextError, InvalidArgumentError
+from ._ops import ReduceOp
+from ._options import CommunicationOptions
+from ._rendezvous import Signature
+from ._values import DistributedValues
+
+if TYPE_CHECKING:
+    from ._scheduler import ReplicaSlot, RunGroup
+    from ._strategy import Strategy
+
+__all__ = ["AllGatherPayload", "AllReducePayload", "MergePayload", "ReplicaContext"]
+
+
+class AllReducePayload(NamedTuple):
+    template: object  # the replica's value, for its nesting
+    arrays: list  # its leaves, placed on the replica's device
+    op: Any  # ReduceOp
+    options: CommunicationOptions
+
+
+class AllGatherPayload(NamedTuple):
+    template: object
+    arrays: list
+    axis: int
+    options: CommunicationOptions
+
+
+class MergePayload(NamedTuple):
+    merge_fn: Callable
+    args: tuple
+    kwargs: dict
+
+
+class ReplicaContext:
+    """The context of one replica inside ``strategy.run`` (or the default one).
+
+    Get it with ``aiodist.get_replica_context()`` inside a replica function.
+    """
+
+    __slots__ = ("_group", "_replica_id", "_slot", "_strategy")
+
+    def __init__(self, strategy: Strategy, replica_id: int, group: RunGroup, slot: ReplicaSlot):
+        self._strategy = strategy
+        self._replica_id = replica_id
+        self._group = group
+        self._slot = slot
+
+    @property
+    def strategy(self) -> Strategy:
+        """The strategy this replica belongs to."""
+        return self._strategy
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas run this function together."""
+        return self._group.num_replicas
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        """This replica's id, from 0 to ``num_replicas_in_sync - 1``."""
+        return self._replica_id
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The device this replica runs on, as a one-element tuple of canonical names."""
+        return (str(self._slot.device),)
+
+    def __repr__(self) -> str:
+        return (
+            f"<ReplicaContext replica {self._replica_id} of {self._group.num_replicas} "
+            f"on {self._slot.device}>"
+        )
+
+    # -- collectives -------------------------------------------------------------
+
+    def merge_call(
+        self, merge_fn: Callable, args: tuple | list = (), kwargs: dict | None = None
+    ) -> asyncio.Future:
+        """Run ``merge_fn(strategy, *args, **kwargs)`` once, in cross-replica context.
+
+        Arguments that differ across replicas reach ``merge_fn`` as ``PerReplica``
+        values (identical objects stay as they are). Await the result: each
+        replica receives ``merge_fn``'s return value with every distributed value
+        in it replaced by this replica's component. ``merge_fn`` may be ``async``.
+        """
+        self._require_current("merge_call")
+        if not callable(merge_fn):
+            raise InvalidArgumentError(
+                f"merge_call: merge_fn={merge_fn!r} is not callable; expected a function "
+                "taking (strategy, *args, **kwargs)."
+            )
+        args = _positional(args, "merge_call")
+        kwargs = _keywords(kwargs, "merge_call")
+        name = getattr(merge_fn, "__qualname__", type(merge_fn).__name__)
+        signature = Signature("merge_call", None, f"merge_call({name})")
+        options = self._strategy._communication_options
+        return self._group.arrive(
+            self._replica_id, signature, MergePayload(merge_fn, args, kwargs), options
+        )
+
+    def all_reduce(
+        self,
+        reduce_op: ReduceOp | str,
+        value: Any,
+        options: CommunicationOptions | None = None,
+    ) -> asyncio.Future:
+        """All-reduce ``value`` (an array, scalar, or nested structure of them).
+
+        Await the result: the same structure, reduced across every replica, on
+        this replica's device. Lists of values are packed into few reductions.
+        On CPU devices each replica gets its own read-only view of one shared
+        result buffer.
+        """
+        self._require_current("all_reduce")
+        op = ReduceOp.of(reduce_op)
+        options = self._strategy._communication_options.merge(options)
+        arrays = self._arrays(value, "all_reduce")
+        for array in arrays:
+            check_reducible(op, array, f"all_reduce on replica {self._replica_id}")
+        key = (op.name, _nest.skeleton(value), tuple((a.dtype.str, a.shape) for a in arrays))
+        text = f"all_reduce({op.name}, {structure_text(value, arrays)})"
+        return self._group.arrive(
+            self._replica_id,
+            Signature("all_reduce", key, text),
+            AllReducePayload(value, arrays, op, options),
+            options,
+        )
+
+    def all_gather(
+        self, value: Any, axis: int, options: CommunicationOptions | None = None
+    ) -> asyncio.Future:
+        """All-gather ``value`` along ``axis``: every replica's values concatenated.
+
+        Shapes may differ only along ``axis``; values of rank 0 cannot be
+        gathered (add an axis first, e.g. ``x[None]``).
+        """
+        self._require_current("all_gather")
+        try:
+            axis = operator.index(axis)
+        except TypeError:
+            raise InvalidArgumentError(f"all_gather: axis={axis!r}; expected an int.") from None
+        options = self._strategy._communication_options.merge(options)
+        arrays = self._arrays(value, "all_gather")
+        shapes = []
+        for array in arrays:
+            if array.ndim == 0:
+                raise InvalidArgumentError(
+                    f"all_gather on replica {self._replica_id}: a rank-0 value "
+                    f"({leaf_text(array)}) has no axis to concatenate along; give it one "
+                    "first, e.g. all_gather(x[None], axis=0)."
+                )
+            if not -array.ndim <= axis < array.ndim:
+                raise InvalidArgumentError(
+                    f"all_gather on replica {self._replica_id}: axis={axis} is out of range "
+                    f"for a value of shape {tuple(array.shape)}; expected "
+                    f"{-array.ndim} <= axis < {array.ndim}."
+                )
+            along = axis % array.ndim
+            shapes.append(tuple(-1 if i == along else n for i, n in enumerate(array.shape)))
+        dtypes = [a.dtype.str for a in arrays]
+        key = (axis, _nest.skeleton(value), tuple(zip(dtypes, shapes, strict=True)))
+        text = f"all_gather(axis={axis}, {structure_text(value, arrays)})"
+        return self._group.arrive(
+            self._replica_id,
+            Signature("all_gather", key, text),
+            AllGatherPayload(value, arrays, axis, options),
+            options,
+        )
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _require_current(self, method: str) -> None:
+        if _context.get_replica_context() is self:
+            return
+        raise ContextError(
+            f"ReplicaContext.{method}() of replica {self._replica_id} was called outside "
+            "that replica's function (for example from a merge_fn, another task, or "
+            f"cross-replica code). Call {method}() from the replica function itself; in "
+            "cross-replica context use strategy.reduce() or strategy.extended.reduce_to()."
+        )
+
+    def _arrays(self, value: Any, method: str) -> list:
+        slot = self._slot
+        arrays = []
+        for leaf in _nest.flatten(value):
+            if isinstance(leaf, DistributedValues):
+                raise InvalidArgumentError(
+                    f"{method} on replica {self._replica_id} got a {type(leaf).__name__}; "
+                    "inside a replica function pass this replica's own value (strategy.run "
+                    "already unwrapped its arguments)."
+                )
+            arrays.append(slot.backend.asarray(leaf, slot.device))
+        return arrays
+
+
+def _positional(args: Any, where: str) -> tuple:
+    if not isinstance(args, list | tuple):
+        raise InvalidArgumentError(
+            f"{where}: args must be a list or tuple, got {type(args).__name__} ({args!r}); "
+            f"wrap a single argument as args=(value,)."
+        )
+    return tuple(args)
+
+
+def _keywords(kwargs: Any, where: str) -> dict:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise InvalidArgumentError(
+            f"{where}: kwargs must be a dict or None, got {type(kwargs).__name__} ({kwargs!r})."
+        )
+    return kwargs

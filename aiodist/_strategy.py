@@ -1,0 +1,406 @@
+"""Strategies: which devices replicas run on, and the cross-replica API.
+
+``Strategy`` holds devices, the cross-device ops and the default communication
+options; everything that moves data is a coroutine. A strategy holds no asyncio
+object: each ``run`` builds its own ``RunGroup`` on the running loop, so one
+strategy serves any number of concurrent runs and outlives event loops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _context
+from ._backends import backend_for, visible_gpu_count
+from ._cross_device_ops import CrossDeviceOps, ReductionToOneDevice
+from ._devices import Device, parse_device
+from ._errors import ContextError, DeviceError, InvalidArgumentError
+from ._ops import ReduceOp
+from ._options import CommunicationOptions
+from ._replica_context import ReplicaContext, _keywords, _positional
+from ._scheduler import DefaultGroup, ReplicaSlot, RunGroup
+from ._values import DistributedValues, PerReplica
+
+__all__ = [
+    "MirroredStrategy",
+    "OneDeviceStrategy",
+    "Strategy",
+    "StrategyExtended",
+    "ValueContext",
+]
+
+_HOST = Device("CPU", 0)
+
+
+class ValueContext:
+    """What ``experimental_distribute_values_from_function`` tells ``value_fn``."""
+
+    __slots__ = ("_num_replicas_in_sync", "_replica_id_in_sync_group")
+
+    def __init__(self, replica_id_in_sync_group: int = 0, num_replicas_in_sync: int = 1):
+        self._replica_id_in_sync_group = replica_id_in_sync_group
+        self._num_replicas_in_sync = num_replicas_in_sync
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        return self._replica_id_in_sync_group
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._num_replicas_in_sync
+
+    def __repr__(self) -> str:
+        return (
+            f"ValueContext(replica_id_in_sync_group={self._replica_id_in_sync_group}, "
+            f"num_replicas_in_sync={self._num_replicas_in_sync})"
+        )
+
+
+def _parse_devices(devices: Any) -> tuple[Device, ...]:
+    if isinstance(devices, str | Device):
+        raise DeviceError(
+            f"devices={devices!r} is a single device; expected a list of device strings, "
+            f"e.g. [{str(devices)!r}] (or use OneDeviceStrategy)."
+        )
+    try:
+        parsed = tuple(parse_device(d) for d in devices)
+    except TypeError:
+        raise DeviceError(
+            f"devices={devices!r}; expected a list of device strings such as "
+            "['cpu:0', 'cpu:1'] or ['GPU:0', 'GPU:1']."
+        ) from None
+    if not parsed:
+        raise DeviceError(
+            "devices=[] names no device; expected at least one, e.g. ['cpu:0'] or, on a "
+            f"GPU machine, ['GPU:0']. Visible GPUs here: {visible_gpu_count()}."
+        )
+    for device in parsed:
+        backend_for(device).check(device)
+    return parsed
+
+
+def _default_devices() -> tuple[Device, ...]:
+    count = visible_gpu_count()
+    if count:
+        gpus = tuple(Device("GPU", i) for i in range(count))
+        try:
+            for device in gpus:
+                backend_for(device)
+        except DeviceError:
+            pass  # GPUs seen but not usable by this version: fall back to the host
+        else:
+            return gpus
+    return (_HOST,)
+
+
+class StrategyExtended:
+    """The advanced, device-level API of a strategy (``strategy.extended``)."""
+
+    def __init__(self, strategy: Strategy, cross_device_ops: CrossDeviceOps):
+        self._strategy = strategy
+        self._cross_device_ops = cross_device_ops
+
+    @property
+    def worker_devices(self) -> tuple[str, ...]:
+        """Canonical names of the replicas' devices, in replica order."""
+        return tuple(str(d) for d in self._strategy._devices)
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        """Canonical names of the devices holding variables (each distinct device once)."""
+        return tuple(str(d) for d in dict.fromkeys(self._strategy._devices))
+
+    async def reduce_to(
+        self,
+        reduce_op: ReduceOp | str,
+        value: Any,
+        destinations: Any,
+        options: CommunicationOptions | None = None,
+    ) -> Any:
+        """Combine ``value`` across replicas onto ``destinations`` (cross-replica context)."""
+        _context.require_cross_replica(self._strategy, "reduce_to")
+        op = ReduceOp.of(reduce_op)
+        options = self._strategy._communication_options.merge(options)
+        return await self._cross_device_ops.reduce(
+            op, self._distributed(op, value), destinations, options
+        )
+
+    async def batch_reduce_to(
+        self,
+        reduce_op: ReduceOp | str,
+        value_destination_pairs: Sequence[tuple[Any, Any]],
+        options: CommunicationOptions | None = None,
+    ) -> list:
+        """``reduce_to`` for several ``(value, destinations)`` pairs at once."""
+        _context.require_cross_replica(self._strategy, "batch_reduce_to")
+        op = ReduceOp.of(reduce_op)
+        options = self._strategy._communication_options.merge(options)
+        try:
+            pairs = [(self._distributed(op, v), d) for v, d in value_destination_pairs]
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, InvalidArgumentError):
+                raise
+            raise InvalidArgumentError(
+                f"batch_reduce_to: value_destination_pairs={value_destination_pairs!r}; "
+                "expected a list of (value, destinations) pairs."
+            ) from None
+        return await self._cross_device_ops.batch_reduce(op, pairs, options)
+
+    async def broadcast_to(self, value: Any, destinations: Any) -> Any:
+        """Copy ``value`` to every device of ``destinations``."""
+        _context.require_cross_replica(self._strategy, "broadcast_to")
+        return await self._cross_device_ops.broadcast(value, destinations)
+
+    async def call_for_each_replica(
+        self, fn: Callable, args: Sequence = (), kwargs: dict | None = None
+    ) -> Any:
+        """Run ``fn`` once per replica: the same as ``strategy.run``."""
+        return await self._strategy.run(fn, args=args, kwargs=kwargs)
+
+    def _distributed(self, op: ReduceOp, value: Any) -> Any:
+        """TF's rule for a value that is not distributed: with several replicas it
+        can only be MEAN-reduced (it is everyone's value); SUM would be ambiguous."""
+        n = self._strategy.num_replicas_in_sync
+        if isinstance(value, DistributedValues) or n == 1 or op is not ReduceOp.SUM:
+            return value
+        raise InvalidArgumentError(
+            f"a value that is not distributed ({type(value).__name__}) cannot be reduced "
+            f"with SUM across {n} replicas; pass the PerReplica value from strategy.run, "
+            "or use MEAN."
+        )
+
+
+class Strategy:
+    """Base class of strategies. Use ``MirroredStrategy`` or ``OneDeviceStrategy``."""
+
+    def __init__(
+        self,
+        devices: Sequence[Device],
+        cross_device_ops: CrossDeviceOps | None = None,
+        communication_options: CommunicationOptions | None = None,
+    ):
+        if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
+            raise InvalidArgumentError(
+                f"cross_device_ops={cross_device_ops!r}; expected an aiodist.CrossDeviceOps "
+                "such as aiodist.ReductionToOneDevice(), or None for the default."
+            )
+        if communication_options is None:
+            communication_options = CommunicationOptions()
+        elif not isinstance(communication_options, CommunicationOptions):
+            raise InvalidArgumentError(
+                f"communication_options={communication_options!r}; expected "
+                "aiodist.CommunicationOptions or None."
+            )
+        self._devices = tuple(devices)
+        self._communication_options = communication_options
+        self._slots = tuple(
+            ReplicaSlot(i, device, backend_for(device), backend_for(device).new_stream(device))
+            for i, device in enumerate(self._devices)
+        )
+        self._extended = StrategyExtended(self, cross_device_ops or ReductionToOneDevice())
+
+    def __repr__(self) -> str:
+        devices = ", ".join(repr(str(d)) for d in self._devices)
+        return f"{type(self).__name__}(devices=[{devices}])"
+
+    @property
+    def extended(self) -> StrategyExtended:
+        return self._extended
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas run each function passed to ``run``."""
+        return len(self._devices)
+
+    def scope(self) -> contextlib.AbstractContextManager[Strategy]:
+        """Make this strategy current and enter cross-replica context (``with``)."""
+        return _context.scope_of(self)
+
+    # -- running replicas --------------------------------------------------------------
+
+    async def run(
+        self,
+        fn: Callable,
+        args: Sequence = (),
+        kwargs: dict | None = None,
+        options: Any = None,
+    ) -> Any:
+        """Run ``fn(*args, **kwargs)`` once per replica and return the regrouped results.
+
+        ``fn`` is an ``async def`` function or a plain one. Distributed values in
+        ``args``/``kwargs`` are unwrapped to each replica's component. A result
+        that is the same object on every replica stays one object; otherwise it
+        becomes ``PerReplica``. If a replica raises, the others are cancelled and
+        that exception propagates.
+        """
+        state = _context.current_state()
+        if state.replica is not None:
+            raise ContextError(
+                f"strategy.run() was called inside a replica function (replica "
+                f"{state.replica.replica_id_in_sync_group}); runs cannot nest. Call the "
+                "inner function directly, or use get_replica_context().merge_call() to "
+                "reach cross-replica context."
+            )
+        if state.strategy is not None and state.strategy is not self:
+            raise _context._mixing(state.strategy, self)
+        if not callable(fn):
+            raise InvalidArgumentError(f"run: fn={fn!r} is not callable.")
+        args = _positional(args, "run")
+        kwargs = _keywords(kwargs, "run")
+        return await RunGroup(self, self._slots).run(fn, args, kwargs)
+
+    def experimental_distribute_values_from_function(
+        self, value_fn: Callable[[ValueContext], Any]
+    ) -> Any:
+        """A ``PerReplica`` of ``value_fn(ValueContext(i, n))`` for each replica i."""
+        n = self.num_replicas_in_sync
+        values = []
+        for slot in self._slots:
+            token = slot.backend.activate(slot.device, slot.stream)
+            try:
+                values.append(value_fn(ValueContext(slot.replica_id, n)))
+            finally:
+                slot.backend.deactivate(token)
+        return values[0] if n == 1 else PerReplica(values, self._devices)
+
+    def experimental_local_results(self, value: Any) -> tuple:
+        """The components of ``value``, one per local replica (``(value,)`` if not distributed)."""
+        if isinstance(value, DistributedValues):
+            return value.values
+        if hasattr(value, "_aiodist_local_results"):  # distributed variables
+            return tuple(value._aiodist_local_results())
+        return (value,)
+
+    # -- cross-replica API --------------------------------------------------------------
+
+    async def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: Any = None) -> Any:
+        """Reduce ``value`` across replicas to a NumPy array on the host.
+
+        With ``axis``, each replica's value is first reduced along that axis too;
+        MEAN then divides by the true number of elements over all replicas (so an
+        uneven last batch is weighted correctly).
+        """
+        _context.require_cross_replica(self, "reduce")
+        op = ReduceOp.of(reduce_op)
+        parts = self._host_components(value)
+        if len(parts) == 1 and self.num_replicas_in_sync > 1 and op is ReduceOp.SUM:
+            self.extended._distributed(op, value)  # raises: a plain value and SUM
+        if axis is not None:
+            axes = _normalise_axis(axis, parts)
+            if op is ReduceOp.MEAN:
+                total = sum(np.sum(p, axis=axes) for p in parts)
+                count = sum(int(np.prod([p.shape[a] for a in axes])) for p in parts)
+                return np.asarray(np.true_divide(total, count))
+            parts = [getattr(np, op.ufunc).reduce(p, axis=axes) for p in parts]
+        if len(parts) == 1 and op is ReduceOp.MEAN:
+            return np.asarray(parts[0]).copy()
+        components = PerReplica(parts, (_HOST,) * len(parts)) if len(parts) > 1 else parts[0]
+        return await self.extended._cross_device_ops.reduce(op, components, _HOST)
+
+    async def gather(self, value: Any, axis: int) -> Any:
+        """Concatenate the components of ``value`` along ``axis`` into a host array."""
+        _context.require_cross_replica(self, "gather")
+        try:
+            axis = operator.index(axis)
+        except TypeError:
+            raise InvalidArgumentError(f"gather: axis={axis!r}; expected an int.") from None
+        parts = self._host_components(value)
+        components = PerReplica(parts, (_HOST,) * len(parts)) if len(parts) > 1 else parts[0]
+        return await self.extended._cross_device_ops.gather(components, _HOST, axis)
+
+    def _host_components(self, value: Any) -> list:
+        if isinstance(value, DistributedValues):
+            parts = list(value.values)
+            if len(parts) != self.num_replicas_in_sync:
+                raise InvalidArgumentError(
+                    f"a {type(value).__name__} with {len(parts)} values was passed to a "
+                    f"strategy with {self.num_replicas_in_sync} replicas."
+                )
+        else:
+            parts = [value]
+        return [_to_host(p) for p in parts]
+
+
+def _to_host(value: Any) -> np.ndarray:
+    if type(value).__module__.startswith("cupy"):
+        return value.get()
+    return np.asarray(value)
+
+
+def _normalise_axis(axis: Any, parts: list) -> tuple[int, ...]:
+    axes = axis if isinstance(axis, list | tuple) else (axis,)
+    out = []
+    for a in axes:
+        try:
+            a = operator.index(a)
+        except TypeError:
+            raise InvalidArgumentError(
+                f"reduce: axis={axis!r}; expected an int, a tuple of ints, or None."
+            ) from None
+        for p in parts:
+            if not -p.ndim <= a < p.ndim:
+                raise InvalidArgumentError(
+                    f"reduce: axis={a} is out of range for a value of shape {p.shape}; "
+                    f"expected {-p.ndim} <= axis < {p.ndim}."
+                )
+        out.append(a % parts[0].ndim)
+    return tuple(out)
+
+
+class MirroredStrategy(Strategy):
+    """Synchronous data parallelism: one replica per listed device, in one process.
+
+    Args:
+        devices: device strings, e.g. ``["cpu:0", "cpu:1"]`` or ``["GPU:0", "GPU:1"]``;
+            a device may be listed more than once. Default: every visible GPU,
+            else ``["cpu:0"]``.
+        cross_device_ops: how values are combined across devices (default:
+            ``ReductionToOneDevice``).
+        communication_options: defaults for every collective (per-call
+            ``options`` override them field by field).
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[str | Device] | None = None,
+        cross_device_ops: CrossDeviceOps | None = None,
+        communication_options: CommunicationOptions | None = None,
+    ):
+        parsed = _default_devices() if devices is None else _parse_devices(devices)
+        super().__init__(parsed, cross_device_ops, communication_options)
+
+
+class OneDeviceStrategy(Strategy):
+    """One replica on one device: the same code path as several replicas."""
+
+    def __init__(self, device: str | Device):
+        if not isinstance(device, str | Device):
+            raise DeviceError(
+                f"OneDeviceStrategy(device={device!r}); expected one device string, "
+                "e.g. 'cpu:0' or 'GPU:0'."
+            )
+        super().__init__(_parse_devices([device]))
+
+
+class _DefaultStrategy(Strategy):
+    """The strategy in force outside any scope: one replica on the host."""
+
+    def __init__(self) -> None:
+        super().__init__((_HOST,))
+
+    def __repr__(self) -> str:
+        return "<default strategy (one replica on /device:CPU:0)>"
+
+
+def _make_default() -> tuple[Strategy, ReplicaContext]:
+    strategy = _DefaultStrategy()
+    group = DefaultGroup(strategy, strategy._slots)
+    return strategy, group.contexts[0]
+
+
+_context.register_default_strategy(*_make_default())

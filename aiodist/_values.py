@@ -1,0 +1,158 @@
+"""Distributed values, and how they are unwrapped and regrouped.
+
+A *distributed value* holds one component per replica:
+
+- ``PerReplica``: components may differ (a per-replica batch, a per-replica loss);
+  what ``strategy.run`` returns when replicas return different objects.
+- ``Mirrored``: components are known to be equal (model weights, a broadcast
+  result); safe to read in cross-replica context through any component.
+
+*Unwrapping* (``select_replica``) replaces every distributed value inside a
+nested structure by replica *i*'s component: that is how ``strategy.run`` hands
+arguments to replica *i*, and how a ``merge_fn`` result reaches each replica.
+
+*Regrouping* (``regroup``) is the inverse: N per-replica structures of the same
+nesting become one structure whose leaves are ``PerReplica`` values, except
+leaves that are the very same object on every replica, which stay as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from . import _nest
+from ._devices import Device
+from ._errors import InvalidArgumentError
+
+__all__ = ["DistributedValues", "Mirrored", "PerReplica", "regroup", "select_replica"]
+
+
+class DistributedValues:
+    """One value per replica. Not built directly: use ``PerReplica`` or ``Mirrored``.
+
+    ``strategy.experimental_local_results(v)`` gives the components as a tuple.
+    """
+
+    __slots__ = ("_devices", "_values")
+
+    def __init__(self, values: Sequence[object], devices: Sequence[Device] | None = None):
+        if type(self) is DistributedValues:
+            raise TypeError("DistributedValues is abstract; use PerReplica or Mirrored.")
+        if isinstance(values, str) or not isinstance(values, Sequence) or not values:
+            raise InvalidArgumentError(
+                f"{type(self).__name__} needs a non-empty list or tuple of per-replica "
+                f"values, got {values!r}."
+            )
+        self._values = tuple(values)
+        if devices is not None:
+            devices = tuple(devices)
+            if len(devices) != len(self._values):
+                raise InvalidArgumentError(
+                    f"{type(self).__name__}: {len(self._values)} values but "
+                    f"{len(devices)} devices; expected one device per value."
+                )
+        self._devices = devices
+
+    @property
+    def values(self) -> tuple:
+        """The components, one per replica, in replica order."""
+        return self._values
+
+    @property
+    def devices(self) -> tuple[str, ...] | None:
+        """Canonical device names of the components, when known."""
+        return None if self._devices is None else tuple(str(d) for d in self._devices)
+
+    def __repr__(self) -> str:
+        body = ",\n".join(f"  {i}: {value!r}" for i, value in enumerate(self._values))
+        return f"{type(self).__name__}:{{\n{body}\n}}"
+
+
+class PerReplica(DistributedValues):
+    """A value that may differ from replica to replica."""
+
+    __slots__ = ()
+
+
+class Mirrored(DistributedValues):
+    """A value that is the same on every replica (kept in sync by the strategy)."""
+
+    __slots__ = ()
+
+
+def _component(value: DistributedValues, replica_id: int, num_replicas: int) -> object:
+    if len(value._values) != num_replicas:
+        raise InvalidArgumentError(
+            f"a {type(value).__name__} with {len(value._values)} values was used where "
+            f"{num_replicas} replicas are in sync; pass values made by this strategy "
+            "(its run, experimental_distribute_values_from_function, or datasets)."
+        )
+    return value._values[replica_id]
+
+
+def select_replica(replica_id: int, structure: object, num_replicas: int) -> object:
+    """``structure`` with each distributed value replaced by replica ``replica_id``'s component."""
+    if isinstance(structure, DistributedValues):
+        return _component(structure, replica_id, num_replicas)
+    if not _nest.is_nested(structure):
+        return structure
+
+    def pick(leaf: object) -> object:
+        if isinstance(leaf, DistributedValues):
+            return _component(leaf, replica_id, num_replicas)
+        return leaf
+
+    return _nest.map_structure(pick, structure)
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, dict):
+        return f"dict with keys {sorted(map(repr, value))}"
+    if isinstance(value, list | tuple):
+        return f"{type(value).__name__} of {len(value)}"
+    return f"a leaf ({type(value).__name__})"
+
+
+def _same_container(a: object, b: object) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and set(a) == set(b)
+    return type(a) is type(b) and len(a) == len(b)
+
+
+def regroup(
+    values: Sequence[object],
+    devices: Sequence[Device] | None = None,
+    *,
+    what: str = "returned",
+    path: str = "",
+) -> object:
+    """Merge one structure per replica into one structure of ``PerReplica`` leaves.
+
+    Raises ``InvalidArgumentError`` naming the replicas when nestings differ.
+    """
+    first = values[0]
+    if all(value is first for value in values):
+        return first
+    nested = [_nest.is_nested(value) for value in values]
+    if any(nested):
+        odd = [i for i, value in enumerate(values) if not _same_container(first, value)]
+        if not all(nested) or odd:
+            shapes = "; ".join(f"replica {i}: {_describe(v)}" for i, v in enumerate(values))
+            where = f" at {path}" if path else ""
+            raise InvalidArgumentError(
+                f"replicas {what} different structures{where} ({shapes}); every replica "
+                "must produce the same nesting of lists, tuples and dicts."
+            )
+        per_child = [_nest.children(value) for value in values]
+        keys = _nest.children({k: k for k in first}) if isinstance(first, dict) else None
+        merged = [
+            regroup(
+                [kids[i] for kids in per_child],
+                devices,
+                what=what,
+                path=f"{path}[{keys[i]!r}]" if keys is not None else f"{path}[{i}]",
+            )
+            for i in range(len(per_child[0]))
+        ]
+        return _nest.rebuild(first, merged)
+    return PerReplica(values, devices)
