@@ -279,14 +279,14 @@ class ReductionToOneDevice(CrossDeviceOps):
             total = values[0].copy()
         else:
             combine = getattr(xp, op.ufunc)
-            total = combine(values[0], values[1])
+            total = xp.asarray(combine(values[0], values[1]))  # ufuncs give scalars for 0-d
             for value in values[2:]:
                 combine(total, value, out=total)
         if op.divides_by_count:
             if total.dtype.kind in "fc":
                 total /= len(values)
             else:  # integers: a float mean, as TensorFlow and NumPy give
-                total = xp.true_divide(total, len(values))
+                total = xp.asarray(xp.true_divide(total, len(values)))
         return total
 
 

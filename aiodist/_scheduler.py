@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _context, _nest
 from ._devices import Device
-from ._errors import ContextError
+from ._errors import ContextError, RendezvousError
 from ._options import CommunicationOptions
 from ._rendezvous import Rendezvous, Signature
 from ._replica_context import MergePayload, ReplicaContext
@@ -93,9 +93,11 @@ class RunGroup:
         all_done = loop.create_future()
         remaining = self.num_replicas
 
-        def on_done(_task: asyncio.Task) -> None:
+        def on_done(task: asyncio.Task) -> None:
             nonlocal remaining
             remaining -= 1
+            if not task.cancelled():
+                task.exception()  # retrieved here; the run re-raises the first failure
             if remaining == 0 and not all_done.done():
                 all_done.set_result(None)
 
@@ -159,7 +161,13 @@ class RunGroup:
         except BaseException as exc:
             if self._failure is None:
                 self._failure = exc
-                self._cancel_all()
+                if isinstance(exc, RendezvousError):
+                    # Every replica waiting in the failed call has its wake-up queued
+                    # already: let each of them raise the error before the rest are
+                    # cancelled, so the error reaches every waiting replica.
+                    asyncio.get_running_loop().call_soon(self._cancel_all)
+                else:
+                    self._cancel_all()
             self.rendezvous.replica_exited(rid, f"raised {type(exc).__name__}")
             raise
         self.rendezvous.replica_exited(rid, "returned")

@@ -1,0 +1,67 @@
+"""Every async test runs on asyncio and on uvloop (pytest-asyncio's loop-factory hook)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import aiodist
+
+try:
+    import uvloop
+except ImportError:  # Windows, or not installed
+    uvloop = None
+
+
+def _uvloop_factory() -> asyncio.AbstractEventLoop:
+    if uvloop is None:
+        pytest.skip("uvloop is not installed (pip install uvloop; not available on Windows)")
+    return uvloop.new_event_loop()
+
+
+def pytest_asyncio_loop_factories(config, item):
+    return {"asyncio": asyncio.new_event_loop, "uvloop": _uvloop_factory}
+
+
+def cpu_devices(n: int) -> list[str]:
+    return [f"cpu:{i}" for i in range(n)]
+
+
+@pytest.fixture(params=[1, 2, 4], ids=lambda n: f"{n}rep")
+def num_replicas(request) -> int:
+    """1, 2 and 4 CPU replicas."""
+    return request.param
+
+
+@pytest.fixture
+def strategy(num_replicas) -> aiodist.MirroredStrategy:
+    """A MirroredStrategy with ``num_replicas`` CPU replicas."""
+    return aiodist.MirroredStrategy(cpu_devices(num_replicas))
+
+
+@pytest.fixture
+def two() -> aiodist.MirroredStrategy:
+    return aiodist.MirroredStrategy(cpu_devices(2))
+
+
+@pytest.fixture
+def three() -> aiodist.MirroredStrategy:
+    return aiodist.MirroredStrategy(cpu_devices(3))
+
+
+async def wait_until(predicate, what: str, max_iterations: int = 10_000) -> None:
+    """Yield to the loop until ``predicate()`` holds (no sleeps); fail if it never does."""
+    for _ in range(max_iterations):
+        if predicate():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"never reached: {what}")
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_state():
+    """Every test starts and ends outside any strategy scope."""
+    assert not aiodist.has_strategy()
+    yield
+    assert not aiodist.has_strategy()

@@ -1,0 +1,350 @@
+"""merge_call, all_reduce, all_gather and ReduceOp (SPEC §4)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import aiodist
+from tests.conftest import wait_until
+
+
+def rid() -> int:
+    return aiodist.get_replica_context().replica_id_in_sync_group
+
+
+def local(strategy, value) -> list:
+    return list(strategy.experimental_local_results(value))
+
+
+# -- all_reduce ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("op", "expected"),
+    [
+        ("sum", lambda xs: sum(xs)),
+        ("MEAN", lambda xs: sum(xs) / len(xs)),
+        ("Min", min),
+        ("max", max),
+        (aiodist.ReduceOp.PRODUCT, lambda xs: float(np.prod(xs))),
+    ],
+)
+async def test_all_reduce_ops(strategy, num_replicas, op, expected):
+    async def fn():
+        return await aiodist.get_replica_context().all_reduce(op, np.float64(rid() + 2))
+
+    values = [float(v) for v in local(strategy, await strategy.run(fn))]
+    assert values == [expected([i + 2 for i in range(num_replicas)])] * num_replicas
+
+
+async def test_all_reduce_nested_structure_keeps_structure_and_dtypes(strategy, num_replicas):
+    async def fn():
+        r = rid()
+        value = {
+            "w": np.full((2, 3), r, dtype=np.float32),
+            "b": [np.arange(4, dtype=np.int64) * r, np.float32(1.0)],
+            "t": (np.ones(1, dtype=np.float64),),
+        }
+        return await aiodist.get_replica_context().all_reduce("sum", value)
+
+    total = sum(range(num_replicas))
+    result = await strategy.run(fn)
+    assert isinstance(result["t"], tuple) and isinstance(result["b"], list)
+    w = local(strategy, result["w"])
+    b0 = local(strategy, result["b"][0])
+    b1 = local(strategy, result["b"][1])
+    t0 = local(strategy, result["t"][0])
+    for i in range(num_replicas):
+        assert w[i].dtype == np.float32 and w[i].shape == (2, 3)
+        np.testing.assert_array_equal(w[i], np.full((2, 3), total))
+        assert b0[i].dtype == np.int64
+        np.testing.assert_array_equal(b0[i], np.arange(4) * total)
+        assert b1[i].dtype == np.float32 and float(b1[i]) == num_replicas
+        np.testing.assert_array_equal(t0[i], [num_replicas])
+
+
+async def test_all_reduce_python_scalars_and_mean_of_ints(two):
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        return await ctx.all_reduce("sum", rid() + 1), await ctx.all_reduce("mean", rid())
+
+    total, mean = await two.run(fn)
+    assert [int(v) for v in local(two, total)] == [3, 3]
+    assert [float(v) for v in local(two, mean)] == [0.5, 0.5]
+    assert local(two, mean)[0].dtype.kind == "f"
+
+
+@pytest.mark.parametrize("bytes_per_pack", [0, 64, 10_000])
+async def test_all_reduce_many_tensors_packed(three, bytes_per_pack):
+    options = aiodist.CommunicationOptions(bytes_per_pack=bytes_per_pack)
+
+    async def fn():
+        r = rid()
+        values = [np.full(k + 1, r + k, dtype=np.float32) for k in range(30)]
+        values.append(np.full((2, 2), r, dtype=np.int32))
+        return await aiodist.get_replica_context().all_reduce("sum", values, options=options)
+
+    result = await three.run(fn)
+    for k in range(30):
+        for v in local(three, result[k]):
+            np.testing.assert_array_equal(v, np.full(k + 1, 3 * k + 3, dtype=np.float32))
+    for v in local(three, result[30]):
+        assert v.dtype == np.int32
+        np.testing.assert_array_equal(v, np.full((2, 2), 3))
+
+
+async def test_all_reduce_results_are_per_replica_read_only_views(two):
+    async def fn():
+        return await aiodist.get_replica_context().all_reduce("sum", np.ones(3))
+
+    result = await two.run(fn)
+    assert isinstance(result, aiodist.PerReplica)
+    a, b = local(two, result)
+    assert a is not b
+    assert not a.flags.writeable and not b.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        a += 1
+    copy = a.copy()
+    copy += 1
+    np.testing.assert_array_equal(b, [2, 2, 2])
+
+
+async def test_all_reduce_input_is_not_modified(two):
+    inputs = [np.array([1.0, 2.0]), np.array([3.0, 4.0])]
+
+    async def fn():
+        return await aiodist.get_replica_context().all_reduce("sum", inputs[rid()])
+
+    await two.run(fn)
+    np.testing.assert_array_equal(inputs[0], [1.0, 2.0])
+    np.testing.assert_array_equal(inputs[1], [3.0, 4.0])
+
+
+async def test_start_collective_then_await_later(three):
+    """Registration happens at call time: replicas can overlap work with a pending reduce."""
+    order = []
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        pending = ctx.all_reduce("sum", np.float64(rid()))
+        order.append(("registered", rid()))
+        second = ctx.all_reduce("max", np.float64(rid()))
+        await asyncio.sleep(0)
+        return float(await second), float(await pending)
+
+    result = await three.run(fn)
+    assert [tuple(pair) for pair in zip(*(local(three, r) for r in result), strict=True)] == [
+        (2.0, 3.0)
+    ] * 3
+    assert len(order) == 3
+
+
+async def test_bad_reduce_op_and_dtype(two):
+    async def bad_op():
+        return await aiodist.get_replica_context().all_reduce("median", 1.0)
+
+    with pytest.raises(ValueError, match=r"'median' is not a reduce op.*'SUM', 'MEAN'"):
+        await two.run(bad_op)
+
+    async def bad_dtype():
+        return await aiodist.get_replica_context().all_reduce("sum", np.array(["a"]))
+
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"dtype <U1 with SUM"):
+        await two.run(bad_dtype)
+
+
+def test_reduce_op_strings_any_case():
+    assert aiodist.ReduceOp("sum") is aiodist.ReduceOp.SUM
+    assert aiodist.ReduceOp("Product") is aiodist.ReduceOp.PRODUCT
+    assert aiodist.ReduceOp.of(aiodist.ReduceOp.MIN) is aiodist.ReduceOp.MIN
+    with pytest.raises(ValueError, match=r"expected a ReduceOp or one of the strings"):
+        aiodist.ReduceOp.of(3)
+
+
+# -- all_gather -----------------------------------------------------------------------
+
+
+async def test_all_gather_uneven_along_axis(three):
+    async def fn():
+        r = rid()
+        value = np.full((2, r + 1), r, dtype=np.int32)
+        return await aiodist.get_replica_context().all_gather(value, axis=1)
+
+    expected = np.array([[0, 1, 1, 2, 2, 2]] * 2, dtype=np.int32)
+    for v in local(three, await three.run(fn)):
+        np.testing.assert_array_equal(v, expected)
+        assert v.dtype == np.int32
+
+
+async def test_all_gather_negative_axis_and_nested(two):
+    async def fn():
+        r = rid()
+        value = {"a": np.full((1, 2), r), "b": [np.arange(3) + 10 * r]}
+        return await aiodist.get_replica_context().all_gather(value, axis=-1)
+
+    result = await two.run(fn)
+    for a in local(two, result["a"]):
+        np.testing.assert_array_equal(a, [[0, 0, 1, 1]])
+    for b in local(two, result["b"][0]):
+        np.testing.assert_array_equal(b, [0, 1, 2, 10, 11, 12])
+
+
+async def test_all_gather_rejects_rank0_and_bad_axis(two):
+    async def rank0():
+        return await aiodist.get_replica_context().all_gather(np.float32(1), axis=0)
+
+    with pytest.raises(ValueError, match=r"rank-0 value \(float32\[\]\).*x\[None\]"):
+        await two.run(rank0)
+
+    async def bad_axis():
+        return await aiodist.get_replica_context().all_gather(np.ones((2, 2)), axis=2)
+
+    with pytest.raises(ValueError, match=r"axis=2 is out of range for a value of shape \(2, 2\)"):
+        await two.run(bad_axis)
+
+
+# -- merge_call --------------------------------------------------------------------------
+
+
+async def test_merge_fn_runs_once_in_cross_replica_context(strategy, num_replicas):
+    calls = []
+
+    def merge_fn(dist, value, *, scale):
+        calls.append(dist)
+        assert aiodist.in_cross_replica_context()
+        assert aiodist.get_replica_context() is None
+        assert aiodist.get_strategy() is dist
+        parts = dist.experimental_local_results(value)
+        return sum(parts) * scale
+
+    async def fn():
+        return await aiodist.get_replica_context().merge_call(
+            merge_fn, args=(rid() + 1,), kwargs={"scale": 10}
+        )
+
+    result = await strategy.run(fn)
+    assert calls == [strategy]
+    assert result == 10 * num_replicas * (num_replicas + 1) // 2
+
+
+async def test_merge_call_identical_args_stay_single(two):
+    seen = {}
+    shared = object()
+
+    def merge_fn(dist, same, differs):
+        seen["same"] = same
+        seen["differs"] = differs
+
+    async def fn():
+        await aiodist.get_replica_context().merge_call(merge_fn, args=(shared, [rid()]))
+
+    await two.run(fn)
+    assert seen["same"] is shared
+    assert isinstance(seen["differs"][0], aiodist.PerReplica)
+
+
+async def test_async_merge_fn_and_per_replica_results_unwrapped(strategy, num_replicas):
+    async def merge_fn(dist, value):
+        await asyncio.sleep(0)
+        total = await dist.reduce("sum", value, axis=None)
+        doubled = aiodist.PerReplica([2 * v for v in dist.experimental_local_results(value)])
+        return {"total": total, "mine": doubled}
+
+    async def fn():
+        return await aiodist.get_replica_context().merge_call(merge_fn, args=(rid(),))
+
+    result = await strategy.run(fn)
+    expected_total = sum(range(num_replicas))
+    if num_replicas == 1:
+        assert int(result["total"]) == 0 and result["mine"] == 0
+        return
+    # The same host array reached every replica, so it regroups to that one object.
+    assert isinstance(result["total"], np.ndarray) and int(result["total"]) == expected_total
+    assert local(strategy, result["mine"]) == [2 * i for i in range(num_replicas)]
+
+
+async def test_merge_fn_exception_reaches_every_replica(three):
+    boom = RuntimeError("merge failed")
+    caught = []
+
+    def merge_fn(dist):
+        raise boom
+
+    async def fn():
+        try:
+            await aiodist.get_replica_context().merge_call(merge_fn)
+        except RuntimeError as exc:
+            caught.append(exc)
+        return "recovered"
+
+    assert await three.run(fn) == "recovered"
+    assert caught == [boom, boom, boom]
+    assert all(exc is boom for exc in caught)
+
+
+async def test_merge_call_bad_arguments(two):
+    async def not_callable():
+        await aiodist.get_replica_context().merge_call(42)
+
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"merge_fn=42 is not callable"):
+        await two.run(not_callable)
+
+    async def bad_args():
+        await aiodist.get_replica_context().merge_call(print, args=7)
+
+    with pytest.raises(ValueError, match=r"args must be a list or tuple, got int"):
+        await two.run(bad_args)
+
+
+async def test_collective_outside_its_replica_function_raises(two):
+    async def merge_fn(dist, ctxs):
+        ctx = dist.experimental_local_results(ctxs)[0]
+        ctx.all_reduce("sum", 1.0)
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        await ctx.merge_call(merge_fn, args=(ctx,))
+
+    with pytest.raises(aiodist.ContextError, match=r"outside that replica's function"):
+        await two.run(fn)
+
+
+async def test_default_replica_context_collectives():
+    """Outside any scope there is one replica: collectives are identities, merge runs inline."""
+    ctx = aiodist.get_replica_context()
+    assert ctx.num_replicas_in_sync == 1 and ctx.replica_id_in_sync_group == 0
+    np.testing.assert_array_equal(await ctx.all_reduce("sum", np.array([1.0, 2.0])), [1.0, 2.0])
+    np.testing.assert_array_equal(await ctx.all_gather(np.array([1, 2]), axis=0), [1, 2])
+
+    def merge_fn(strategy, x):
+        assert aiodist.in_cross_replica_context()
+        return (strategy, x + 1)
+
+    strategy, value = await ctx.merge_call(merge_fn, args=(1,))
+    assert strategy is aiodist.get_strategy() and value == 2
+
+    async def async_merge(strategy):
+        await asyncio.sleep(0)
+        return aiodist.in_cross_replica_context()
+
+    assert await ctx.merge_call(async_merge) is True
+    assert not aiodist.in_cross_replica_context()
+
+
+async def test_collectives_in_a_helper_coroutine(two):
+    """Collectives called from helpers awaited by the replica function count for it."""
+    reached = []
+
+    async def helper(x):
+        reached.append(rid())
+        return await aiodist.get_replica_context().all_reduce("sum", x)
+
+    async def fn():
+        return float(await helper(1.0)) + float(await helper(2.0))
+
+    result = await two.run(fn)
+    await wait_until(lambda: len(reached) == 4, "4 helper calls")
+    assert local(two, result) == [6.0, 6.0]

@@ -1,0 +1,202 @@
+"""Where TensorFlow hangs, aiodist raises (SPEC §4, "never hang").
+
+Each test here would hang without the guarantee it checks; the pytest timeout
+turns such a regression into a failure instead of a stuck CI run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import aiodist
+from tests.conftest import cpu_devices
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def rid() -> int:
+    return aiodist.get_replica_context().replica_id_in_sync_group
+
+
+async def run_collecting(strategy, fn):
+    """Run ``fn`` per replica; return ({replica: exception it raised}, the run's exception)."""
+    errors: dict[int, BaseException] = {}
+
+    async def wrapper():
+        try:
+            return await fn()
+        except aiodist.RendezvousError as exc:
+            errors[rid()] = exc
+            raise
+
+    with pytest.raises(aiodist.RendezvousError) as info:
+        await strategy.run(wrapper)
+    return errors, info.value
+
+
+# -- a replica leaves ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_replicas", [1, 2, 4], ids=lambda n: f"{n}waiting")
+async def test_replica_returns_while_others_wait(num_replicas):
+    strategy = aiodist.MirroredStrategy(cpu_devices(num_replicas + 1))
+    last = num_replicas  # the replica that skips the collective
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        await ctx.all_reduce("sum", 1.0)  # call #0: everybody
+        if rid() == last:
+            return "skipped"
+        return await ctx.all_reduce("sum", 2.0)  # call #1: replica `last` never comes
+
+    errors, raised = await run_collecting(strategy, fn)
+    assert isinstance(raised, aiodist.ReplicaExitedError)
+    assert isinstance(raised, RuntimeError)
+    assert sorted(errors) == list(range(num_replicas))
+    message = str(raised)
+    assert f"all_reduce #1: replica {last} returned without calling it" in message
+    assert "same collective calls" in message
+
+
+async def test_replica_returns_before_others_arrive(two):
+    """The waiting replica arrives after the other one already returned."""
+    returned = asyncio.Event()
+
+    async def fn():
+        if rid() == 0:
+            returned.set()
+            return None
+        await returned.wait()
+        await asyncio.sleep(0)
+        return await aiodist.get_replica_context().merge_call(lambda s: None)
+
+    errors, raised = await run_collecting(two, fn)
+    assert isinstance(raised, aiodist.ReplicaExitedError)
+    assert list(errors) == [1]
+    assert "merge_call #0: replica 0 returned without calling it" in str(raised)
+
+
+async def test_replica_that_made_fewer_calls(three):
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        calls = 2 if rid() == 2 else 3
+        for i in range(calls):
+            await ctx.all_gather(np.array([i]), axis=0)
+        return calls
+
+    errors, raised = await run_collecting(three, fn)
+    assert sorted(errors) == [0, 1]
+    assert "all_gather #2: replica 2 returned without calling it" in str(raised)
+    assert "wait in it" in str(raised) or "waits in it" in str(raised)
+
+
+# -- replicas disagree ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("odd_call", "shown"),
+    [
+        (lambda ctx: ctx.all_gather(np.ones(2), axis=0), "called all_gather(axis=0, float64[2])"),
+        (lambda ctx: ctx.all_reduce("max", np.ones(2)), "called all_reduce(MAX, float64[2])"),
+        (lambda ctx: ctx.all_reduce("sum", np.ones(3)), "called all_reduce(SUM, float64[3])"),
+        (
+            lambda ctx: ctx.all_reduce("sum", np.ones(2, dtype=np.float32)),
+            "called all_reduce(SUM, float32[2])",
+        ),
+        (
+            lambda ctx: ctx.all_reduce("sum", (np.ones(2),)),
+            "called all_reduce(SUM, (float64[2],))",
+        ),
+        (lambda ctx: ctx.merge_call(lambda s: None), "called merge_call("),
+    ],
+    ids=["other-collective", "other-op", "other-shape", "other-dtype", "other-structure", "merge"],
+)
+async def test_mismatch_names_what_each_replica_called(three, odd_call, shown):
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        await ctx.all_reduce("sum", 1.0)  # #0 agrees
+        if rid() == 1:
+            return await odd_call(ctx)
+        return await ctx.all_reduce("sum", np.ones(2))  # #1
+
+    errors, raised = await run_collecting(three, fn)
+    assert isinstance(raised, aiodist.CollectiveMismatchError)
+    assert isinstance(raised, ValueError)
+    assert errors  # raised in the replicas that were waiting, not only in run
+    message = str(raised)
+    assert message.startswith("collective #1 does not match across replicas")
+    assert f"replica 1 {shown}" in message
+    assert "called all_reduce(SUM, float64[2])" in message
+
+
+async def test_all_gather_shapes_may_differ_only_along_axis(two):
+    async def fn():
+        return await aiodist.get_replica_context().all_gather(np.ones((2, rid() + 1)), axis=0)
+
+    errors, raised = await run_collecting(two, fn)
+    assert isinstance(raised, aiodist.CollectiveMismatchError)
+    assert "float64[2, 1]" in str(raised) and "float64[2, 2]" in str(raised)
+
+
+# -- timeouts -------------------------------------------------------------------------
+
+
+async def test_per_call_timeout_names_missing_replicas(three):
+    options = aiodist.CommunicationOptions(timeout_seconds=0.05)
+
+    async def fn():
+        if rid() == 2:
+            await asyncio.Event().wait()  # stuck elsewhere, never arrives
+        return await aiodist.get_replica_context().all_reduce("sum", 1.0, options=options)
+
+    errors, raised = await run_collecting(three, fn)
+    assert isinstance(raised, aiodist.RendezvousTimeoutError)
+    assert isinstance(raised, TimeoutError)
+    assert sorted(errors) == [0, 1]
+    message = str(raised)
+    assert "all_reduce #0: timed out after 0.05 s waiting for replica 2" in message
+    assert "replicas 0, 1 arrived" in message
+
+
+async def test_strategy_default_timeout_applies_to_merge_call():
+    strategy = aiodist.MirroredStrategy(
+        cpu_devices(2),
+        communication_options=aiodist.CommunicationOptions(timeout_seconds=0.05),
+    )
+
+    async def fn():
+        if rid() == 0:
+            await asyncio.Event().wait()
+        return await aiodist.get_replica_context().merge_call(lambda s: 1)
+
+    errors, raised = await run_collecting(strategy, fn)
+    assert isinstance(raised, aiodist.RendezvousTimeoutError)
+    assert "merge_call #0: timed out after 0.05 s waiting for replica 0" in str(raised)
+
+
+async def test_timeout_does_not_fire_when_everyone_arrives(two):
+    options = aiodist.CommunicationOptions(timeout_seconds=0.05)
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        total = 0.0
+        for _ in range(3):
+            total += float(await ctx.all_reduce("sum", 1.0, options=options))
+        await asyncio.sleep(0.1)  # longer than the timeout, after the calls completed
+        return total
+
+    result = await two.run(fn)
+    assert two.experimental_local_results(result) == (6.0, 6.0)
+
+
+def test_every_rendezvous_error_shares_one_base():
+    for cls in (
+        aiodist.ReplicaExitedError,
+        aiodist.CollectiveMismatchError,
+        aiodist.RendezvousTimeoutError,
+    ):
+        assert issubclass(cls, aiodist.RendezvousError)
+        assert issubclass(cls, aiodist.AiodistError)

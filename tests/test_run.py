@@ -1,0 +1,273 @@
+"""``await strategy.run``: replicas, unwrapping, regrouping, failures, cancellation (SPEC §3)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import numpy as np
+import pytest
+
+import aiodist
+from tests.conftest import cpu_devices, wait_until
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+def _own_tasks() -> set[asyncio.Task]:
+    return {t for t in asyncio.all_tasks() if t.get_name().startswith("aiodist-replica")}
+
+
+async def test_async_fn_runs_once_per_replica_with_its_context(strategy, num_replicas):
+    seen = []
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        seen.append((ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync, ctx.devices))
+        await asyncio.sleep(0)
+        return ctx.replica_id_in_sync_group
+
+    result = await strategy.run(fn)
+    assert sorted(seen) == [(i, num_replicas, (f"/device:CPU:{i}",)) for i in range(num_replicas)]
+    assert strategy.experimental_local_results(result) == tuple(range(num_replicas))
+    if num_replicas == 1:
+        assert result == 0
+    else:
+        assert isinstance(result, aiodist.PerReplica)
+
+
+async def test_plain_function_and_awaitable_result(strategy, num_replicas):
+    def plain(x):
+        return x + aiodist.get_replica_context().replica_id_in_sync_group
+
+    result = await strategy.run(plain, args=(10,))
+    assert strategy.experimental_local_results(result) == tuple(10 + i for i in range(num_replicas))
+
+    async def inner():
+        return "done"
+
+    def returns_awaitable():
+        return inner()
+
+    assert await strategy.run(returns_awaitable) == "done"
+
+
+async def test_distributed_args_are_unwrapped_in_nested_structures(strategy, num_replicas):
+    per = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.full(2, ctx.replica_id_in_sync_group)
+    )
+    shared = object()
+
+    async def fn(nested, *, table, pair, same):
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        assert same is shared
+        assert pair.b == "b"
+        np.testing.assert_array_equal(nested[0][1], [rid, rid])
+        np.testing.assert_array_equal(table["x"], [rid, rid])
+        np.testing.assert_array_equal(pair.a, [rid, rid])
+        return rid
+
+    kwargs = {"table": {"x": per}, "pair": Pair(per, "b"), "same": shared}
+    result = await strategy.run(fn, args=([(1, per)],), kwargs=kwargs)
+    assert strategy.experimental_local_results(result) == tuple(range(num_replicas))
+
+
+async def test_results_regroup_identical_objects_stay_single(two):
+    shared = np.zeros(3)
+
+    async def fn():
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        return {"same": shared, "mine": np.full(1, rid), "pair": Pair(None, [rid, shared])}
+
+    result = await two.run(fn)
+    assert result["same"] is shared
+    assert result["pair"].a is None
+    assert isinstance(result["pair"], Pair)
+    assert result["pair"].b[1] is shared
+    assert isinstance(result["mine"], aiodist.PerReplica)
+    assert two.experimental_local_results(result["pair"].b[0]) == (0, 1)
+    assert result["mine"].devices == ("/device:CPU:0", "/device:CPU:1")
+
+
+async def test_mismatched_result_structures_raise_naming_replicas(two):
+    async def fn():
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        return [1, 2] if rid == 0 else (1, 2, 3)
+
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"replica 0: list of 2; replica 1"):
+        await two.run(fn)
+
+
+async def test_args_must_be_list_or_tuple(two):
+    async def fn(x):
+        return x
+
+    with pytest.raises(ValueError, match=r"args must be a list or tuple, got int"):
+        await two.run(fn, args=5)
+
+
+async def test_per_replica_of_wrong_length_is_rejected(two, three):
+    per3 = three.experimental_distribute_values_from_function(lambda ctx: 1)
+
+    async def fn(x):
+        return x
+
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"3 values .* 2 replicas"):
+        await two.run(fn, args=(per3,))
+
+
+async def test_nested_run_raises(two):
+    async def inner():
+        return 1
+
+    async def outer():
+        await two.run(inner)
+
+    with pytest.raises(aiodist.ContextError, match=r"runs cannot nest"):
+        await two.run(outer)
+
+
+async def test_replica_exception_propagates_same_object_and_cancels_others(three):
+    boom = KeyError("boom")
+    cancelled = []
+    started = []
+
+    async def fn():
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        started.append(rid)
+        if rid == 1:
+            await wait_until(lambda: len(started) == 3, "all replicas started")
+            raise boom
+        try:
+            await asyncio.Event().wait()  # would wait forever
+        except asyncio.CancelledError:
+            cancelled.append(rid)
+            raise
+
+    with pytest.raises(KeyError) as info:
+        await three.run(fn)
+    assert info.value is boom
+    assert sorted(cancelled) == [0, 2]
+    assert not _own_tasks()
+
+
+async def test_replica_exception_while_others_wait_in_collective(three):
+    boom = ValueError("replica 2 failed")
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        if ctx.replica_id_in_sync_group == 2:
+            raise boom
+        return await ctx.all_reduce("sum", 1.0)
+
+    with pytest.raises(ValueError) as info:
+        await three.run(fn)
+    assert info.value is boom
+    assert not _own_tasks()
+    # The strategy is fully usable afterwards.
+    result = await three.run(lambda: aiodist.get_replica_context().all_reduce("sum", 2.0))
+    assert [float(v) for v in three.experimental_local_results(result)] == [6.0] * 3
+
+
+async def test_cancelling_the_caller_cancels_every_replica(three):
+    waiting = []
+    cancelled = []
+
+    async def fn():
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        waiting.append(rid)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(rid)
+            raise
+
+    caller = asyncio.create_task(three.run(fn))
+    await wait_until(lambda: len(waiting) == 3, "three replicas waiting")
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert sorted(cancelled) == [0, 1, 2]
+    assert not _own_tasks()
+
+
+async def test_cancelling_the_caller_during_a_rendezvous(three):
+    arrived = []
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        if ctx.replica_id_in_sync_group == 0:
+            await asyncio.Event().wait()  # never joins
+        arrived.append(ctx.replica_id_in_sync_group)
+        return await ctx.all_reduce("sum", 1.0)
+
+    caller = asyncio.create_task(three.run(fn))
+    await wait_until(lambda: len(arrived) == 2, "replicas 1 and 2 in all_reduce")
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert not _own_tasks()
+
+
+async def test_timeout_around_run_leaves_nothing_running(two):
+    async def fn():
+        await asyncio.Event().wait()
+
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.05):
+            await two.run(fn)
+    assert not _own_tasks()
+
+
+async def test_concurrent_runs_on_one_strategy_never_mix(num_replicas):
+    strategy = aiodist.MirroredStrategy(cpu_devices(num_replicas))
+
+    async def fn(scale):
+        ctx = aiodist.get_replica_context()
+        total = 0.0
+        for step in range(5):
+            await asyncio.sleep(0)
+            total += float(await ctx.all_reduce("sum", scale * (step + 1)))
+        return total
+
+    scales = list(range(1, 21))
+    results = await asyncio.gather(*(strategy.run(fn, args=(s,)) for s in scales))
+    for scale, result in zip(scales, results, strict=True):
+        expected = num_replicas * scale * 15
+        assert [float(v) for v in strategy.experimental_local_results(result)] == [
+            expected
+        ] * num_replicas
+
+
+async def test_run_inside_merge_fn_is_its_own_group(two):
+    async def inner():
+        return aiodist.get_replica_context().replica_id_in_sync_group
+
+    async def merge_fn(strategy):
+        assert aiodist.in_cross_replica_context()
+        return strategy.experimental_local_results(await strategy.run(inner))
+
+    async def fn():
+        return await aiodist.get_replica_context().merge_call(merge_fn)
+
+    assert await two.run(fn) == (0, 1)
+
+
+async def test_call_for_each_replica_is_run(two):
+    async def fn(x):
+        return x * (aiodist.get_replica_context().replica_id_in_sync_group + 1)
+
+    result = await two.extended.call_for_each_replica(fn, args=(3,))
+    assert two.experimental_local_results(result) == (3, 6)
+
+
+async def test_one_device_strategy_returns_plain_value():
+    strategy = aiodist.OneDeviceStrategy("cpu:3")
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        return ctx.devices, await ctx.all_reduce("mean", np.array([1.0, 3.0]))
+
+    devices, value = await strategy.run(fn)
+    assert devices == ("/device:CPU:3",)
+    np.testing.assert_array_equal(value, [1.0, 3.0])

@@ -1,0 +1,614 @@
+"""The TensorFlow docstring examples, reproduced with aiodist and the same numbers.
+
+Each test names the TensorFlow document and example it reproduces (the copies are in
+``shared/reference/``). TensorFlow's ``MirroredStrategy(["GPU:0", "GPU:1"])`` becomes
+``MirroredStrategy(["cpu:0", "cpu:1"])`` (four GPUs become four CPU devices), tensors
+become NumPy arrays of the dtype TensorFlow shows, replica functions are ``async def``,
+and ``merge_call``/``all_reduce``/``all_gather``/``run``/``reduce``/``gather`` are awaited.
+Where a TensorFlow example reads a ``tf.data`` dataset, the same per-replica values are
+made with ``experimental_distribute_values_from_function``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import aiodist
+from aiodist import PerReplica
+
+from .conftest import cpu_devices
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def assert_tensor(value, expected, dtype) -> None:
+    """``value`` equals ``expected`` with the shape and dtype TensorFlow shows."""
+    array = np.asarray(value)
+    expected = np.asarray(expected, dtype=dtype)
+    assert array.shape == expected.shape, f"shape {array.shape} != {expected.shape}"
+    assert array.dtype == expected.dtype, f"dtype {array.dtype} != {expected.dtype}"
+    np.testing.assert_array_equal(array, expected)
+
+
+def assert_per_replica(value, expected: list, dtype) -> None:
+    """``value`` is a PerReplica whose components equal ``expected`` (one per replica)."""
+    assert isinstance(value, PerReplica), f"expected PerReplica, got {type(value).__name__}"
+    assert len(value.values) == len(expected)
+    for component, want in zip(value.values, expected, strict=True):
+        assert_tensor(component, want, dtype)
+
+
+async def replica_id():
+    """The replica function of several TF examples: this replica's id."""
+    return aiodist.get_replica_context().replica_id_in_sync_group
+
+
+# -- tf.distribute.ReplicaContext ------------------------------------------------------
+
+
+async def test_replica_context_class_example_returns_replica_ids(two):
+    """tf.distribute.ReplicaContext (class docstring; also ``ReplicaContextBase`` in
+    distribute_lib.py): ``strategy.run(func)`` where ``func`` returns
+    ``replica_context.replica_id_in_sync_group`` gives ``PerReplica:{0: 0, 1: 1}``."""
+
+    async def func():
+        replica_context = aiodist.get_replica_context()
+        return replica_context.replica_id_in_sync_group
+
+    result = await two.run(func)
+
+    assert isinstance(result, PerReplica)
+    assert result.values == (0, 1)
+    assert result.devices == ("/device:CPU:0", "/device:CPU:1")
+    assert two.experimental_local_results(result) == (0, 1)
+
+
+async def test_replica_context_class_example_any_replica_count(strategy, num_replicas):
+    """tf.distribute.ReplicaContext (class docstring), on 1, 2 and 4 replicas: ids are
+    0 .. n-1 as a PerReplica; with one replica ``run`` returns the plain value 0."""
+    result = await strategy.run(replica_id)
+
+    if num_replicas == 1:
+        assert not isinstance(result, aiodist.DistributedValues)
+        assert result == 0
+    else:
+        assert isinstance(result, PerReplica)
+        assert result.values == tuple(range(num_replicas))
+    assert strategy.experimental_local_results(result) == tuple(range(num_replicas))
+
+
+async def test_replica_context_all_reduce_sum_of_one(two):
+    """tf.distribute.ReplicaContext.all_reduce, example 1: SUM of ``tf.identity(1.)``
+    on two replicas; ``experimental_local_results`` gives ``(2.0, 2.0)`` (float32)."""
+
+    async def step_fn():
+        ctx = aiodist.get_replica_context()
+        value = np.float32(1.0)
+        return await ctx.all_reduce(aiodist.ReduceOp.SUM, value)
+
+    result = await two.run(step_fn)
+    local = two.experimental_local_results(result)
+
+    assert isinstance(result, PerReplica)  # each replica gets its own result object
+    assert isinstance(local, tuple)
+    assert len(local) == 2
+    for value in local:
+        assert_tensor(value, 2.0, np.float32)
+
+
+async def test_replica_context_all_reduce_batched_list_local_results(two):
+    """tf.distribute.ReplicaContext.all_reduce, example 2 (batched): SUM of the list
+    ``[tf.identity(1.), tf.identity(2.)]``; TF's ``experimental_local_results`` of the
+    run result (a list of PerReplica) is one list per replica: ``([2.0, 4.0], [2.0, 4.0])``."""
+
+    async def step_fn():
+        ctx = aiodist.get_replica_context()
+        value1 = np.float32(1.0)
+        value2 = np.float32(2.0)
+        return await ctx.all_reduce(aiodist.ReduceOp.SUM, [value1, value2])
+
+    local = two.experimental_local_results(await two.run(step_fn))
+
+    assert isinstance(local, tuple)
+    assert len(local) == 2, f"expected one list per replica, got {local!r}"
+    for per_replica in local:
+        assert isinstance(per_replica, list)
+        assert len(per_replica) == 2
+        assert_tensor(per_replica[0], 2.0, np.float32)
+        assert_tensor(per_replica[1], 4.0, np.float32)
+
+
+async def test_replica_context_all_reduce_batched_list_run_result(two):
+    """tf.distribute.ReplicaContext.all_reduce, example 2 (batched): each replica gets
+    ``[2.0, 4.0]``, so ``run`` returns a list of two PerReplica values, as in TF."""
+
+    async def step_fn():
+        ctx = aiodist.get_replica_context()
+        return await ctx.all_reduce("SUM", [np.float32(1.0), np.float32(2.0)])
+
+    result = await two.run(step_fn)
+
+    assert isinstance(result, list)
+    assert len(result) == 2
+    assert_per_replica(result[0], [2.0, 2.0], np.float32)
+    assert_per_replica(result[1], [4.0, 4.0], np.float32)
+
+
+# -- ReplicaContext.all_gather (distribute_lib.py) -------------------------------------
+
+
+async def test_all_gather_single_tensor(two):
+    """ReplicaContext.all_gather (distribute_lib.py), single tensor: every replica
+    gathers ``tf.constant([1, 2, 3])`` along axis 0 and gets ``[1, 2, 3, 1, 2, 3]``
+    (shape (6,), int32), returned as a PerReplica."""
+
+    async def gather_value():
+        ctx = aiodist.get_replica_context()
+        local_value = np.array([1, 2, 3], dtype=np.int32)
+        return await ctx.all_gather(local_value, axis=0)
+
+    result = await two.run(gather_value)
+
+    assert_per_replica(result, [[1, 2, 3, 1, 2, 3]] * 2, np.int32)
+    local = two.experimental_local_results(result)
+    assert isinstance(local, tuple)
+    assert len(local) == 2
+    for value in local:
+        assert_tensor(value, [1, 2, 3, 1, 2, 3], np.int32)
+
+
+async def gather_nest():
+    """The replica function of the nested all_gather example."""
+    ctx = aiodist.get_replica_context()
+    value_1 = np.array([1, 2, 3], dtype=np.int32)
+    value_2 = np.array([[1, 2], [3, 4]], dtype=np.int32)
+    return await ctx.all_gather([value_1, value_2], axis=0)
+
+
+GATHERED_1 = [1, 2, 3, 1, 2, 3]
+GATHERED_2 = [[1, 2], [3, 4], [1, 2], [3, 4]]
+
+
+async def test_all_gather_nested_list_run_result(two):
+    """ReplicaContext.all_gather (distribute_lib.py), nested list ``[value_1, value_2]``:
+    ``run`` returns ``[PerReplica(shape (6,)), PerReplica(shape (4, 2))]``."""
+    result = await two.run(gather_nest)
+
+    assert isinstance(result, list)
+    assert len(result) == 2
+    assert_per_replica(result[0], [GATHERED_1] * 2, np.int32)
+    assert_per_replica(result[1], [GATHERED_2] * 2, np.int32)
+    assert result[1].values[0].shape == (4, 2)
+
+
+async def test_all_gather_nested_list_local_results(two):
+    """ReplicaContext.all_gather (distribute_lib.py), nested list: TF's
+    ``experimental_local_results(result)`` is one ``[shape (6,), shape (4, 2)]`` list per
+    replica."""
+    local = two.experimental_local_results(await two.run(gather_nest))
+
+    assert isinstance(local, tuple)
+    assert len(local) == 2, f"expected one list per replica, got {local!r}"
+    for per_replica in local:
+        assert isinstance(per_replica, list)
+        assert len(per_replica) == 2
+        assert_tensor(per_replica[0], GATHERED_1, np.int32)
+        assert_tensor(per_replica[1], GATHERED_2, np.int32)
+
+
+# -- StrategyExtended.call_for_each_replica (distribute_lib.py) ------------------------
+
+
+def merge_fn(distribution, three_plus_replica_id):
+    """Called once in cross-replica context: sum the values across replicas."""
+    merge_fn.calls += 1
+    assert aiodist.in_cross_replica_context()
+    return sum(distribution.experimental_local_results(three_plus_replica_id))
+
+
+merge_fn.calls = 0
+
+
+async def fn(three):
+    """Called once per replica: ``v = three + id``; return ``sum(v over replicas) + v``."""
+    replica_ctx = aiodist.get_replica_context()
+    v = three + replica_ctx.replica_id_in_sync_group
+    s = await replica_ctx.merge_call(merge_fn, args=(v,))
+    return s + v
+
+
+async def test_call_for_each_replica_merge_call_example(two):
+    """StrategyExtended.call_for_each_replica (distribute_lib.py): with ``args=[3]`` on
+    two replicas, v is 3 and 4, merge_fn runs once and returns 7, and each replica
+    returns 7 + v, so ``experimental_local_results(merged_results)`` is ``(10, 11)``."""
+    merge_fn.calls = 0
+    with two.scope():
+        merged_results = await two.extended.call_for_each_replica(fn, args=[3])
+        local = two.experimental_local_results(merged_results)
+
+    assert merge_fn.calls == 1
+    assert isinstance(merged_results, PerReplica)
+    assert local == (10, 11)
+
+
+async def test_call_for_each_replica_example_through_run(two):
+    """StrategyExtended.call_for_each_replica (distribute_lib.py), as the docstring
+    writes it: ``distribution.run(fn, args=[3])`` inside ``distribution.scope()``
+    gives ``(10, 11)`` on two replicas."""
+    merge_fn.calls = 0
+    with two.scope():
+        merged_results = await two.run(fn, args=[3])
+        local = two.experimental_local_results(merged_results)
+
+    assert merge_fn.calls == 1
+    assert local == (10, 11)
+
+
+async def test_call_for_each_replica_example_any_replica_count(strategy, num_replicas):
+    """StrategyExtended.call_for_each_replica (distribute_lib.py) on 1, 2 and 4
+    replicas: replica i returns ``sum(3 + j for all j) + 3 + i`` (1 replica: plain 6;
+    4 replicas: 21, 22, 23, 24)."""
+    merge_fn.calls = 0
+    total = sum(3 + j for j in range(num_replicas))
+    expected = tuple(total + 3 + i for i in range(num_replicas))
+
+    with strategy.scope():
+        merged_results = await strategy.extended.call_for_each_replica(fn, args=[3])
+
+    assert merge_fn.calls == 1
+    if num_replicas == 1:
+        assert not isinstance(merged_results, aiodist.DistributedValues)
+        assert merged_results == 6
+    assert strategy.experimental_local_results(merged_results) == expected
+
+
+# -- Strategy.run (distribute_lib.py) --------------------------------------------------
+
+
+async def test_run_example_1_constant_tensor_input(two):
+    """Strategy.run, example 1 (constant tensor input): ``tf.constant(3.0)`` passed to
+    ``replica_fn(input) = input * 2.0`` on two replicas gives ``PerReplica:{0: 6.0,
+    1: 6.0}`` (float32)."""
+    tensor_input = np.float32(3.0)
+
+    async def replica_fn(input):
+        return input * 2.0
+
+    result = await two.run(replica_fn, args=(tensor_input,))
+
+    assert_per_replica(result, [6.0, 6.0], np.float32)
+
+
+async def test_run_example_2_distributed_values_input(two):
+    """Strategy.run, example 2 (DistributedValues input): ``num_replicas_in_sync`` (2)
+    distributed from a function, times 2, gives the single value 4 (not a PerReplica,
+    since every replica returns the same value)."""
+
+    def value_fn(value_context):
+        return value_context.num_replicas_in_sync
+
+    distributed_values = two.experimental_distribute_values_from_function(value_fn)
+
+    async def replica_fn2(input):
+        return input * 2
+
+    result = await two.run(replica_fn2, args=(distributed_values,))
+
+    assert not isinstance(result, aiodist.DistributedValues)
+    assert type(result) is int
+    assert result == 4
+
+
+async def test_run_example_3_all_reduce_of_replica_ids(two):
+    """Strategy.run, example 3 (ReplicaContext all-reduce): all-reducing
+    ``tf.constant(replica_id)`` with "sum" gives ``PerReplica:{0: 1, 1: 1}`` (int32)."""
+
+    def value_fn(value_context):
+        return np.int32(value_context.replica_id_in_sync_group)
+
+    distributed_values = two.experimental_distribute_values_from_function(value_fn)
+
+    async def replica_fn(input):
+        return await aiodist.get_replica_context().all_reduce("sum", input)
+
+    result = await two.run(replica_fn, args=(distributed_values,))
+
+    assert_per_replica(result, [1, 1], np.int32)
+
+
+# -- Strategy.reduce (distribute_lib.py) -----------------------------------------------
+
+
+async def test_reduce_sum_of_replica_ids_axis_none(two):
+    """Strategy.reduce, docstring example: ``strategy.reduce("SUM", per_replica_result,
+    axis=None)`` of the replica ids (``tf.identity(i)``, int32) is 1 (shape (), int32);
+    the per-replica results are on the replicas' devices and the total on the host."""
+
+    async def step_fn():
+        i = aiodist.get_replica_context().replica_id_in_sync_group
+        return np.int32(i)
+
+    per_replica_result = await two.run(step_fn)
+    total = await two.reduce("SUM", per_replica_result, axis=None)
+
+    assert per_replica_result.devices == ("/device:CPU:0", "/device:CPU:1")
+    assert isinstance(total, np.ndarray)  # on the host, like TF's CPU:0 result
+    assert_tensor(total, 1, np.int32)
+
+
+def per_example_values(strategy, batches):
+    """A PerReplica whose replica i holds ``batches[i]`` (float32)."""
+    return strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.asarray(batches[ctx.replica_id_in_sync_group], dtype=np.float32)
+    )
+
+
+async def test_reduce_axis_none_sums_only_across_replicas(two):
+    """Strategy.reduce, "What should axis be?": global batch of 8 on 2 replicas,
+    examples ``[0, 1, 2, 3]`` and ``[4, 5, 6, 7]``; ``axis=None`` gives
+    ``[0+4, 1+5, 2+6, 3+7]`` = ``[4, 6, 8, 10]``."""
+    per_replica_result = per_example_values(two, [[0, 1, 2, 3], [4, 5, 6, 7]])
+
+    reduced = await two.reduce("sum", per_replica_result, axis=None)
+
+    assert_tensor(reduced, [4.0, 6.0, 8.0, 10.0], np.float32)
+
+
+async def test_reduce_axis_0_sums_across_batch_and_replicas(two):
+    """Strategy.reduce, "What should axis be?": the same values with ``axis=0`` give
+    the scalar ``0+1+2+3+4+5+6+7`` = 28."""
+    per_replica_result = per_example_values(two, [[0, 1, 2, 3], [4, 5, 6, 7]])
+
+    reduced = await two.reduce("sum", per_replica_result, axis=0)
+
+    assert_tensor(reduced, 28.0, np.float32)
+
+
+async def test_reduce_mean_axis_0_uneven_last_batch(two):
+    """Strategy.reduce, "What should axis be?": a last batch of 6 split into
+    ``[0, 1, 2, 3]`` and ``[4, 5]``; MEAN with ``axis=0`` uses the denominator 6, giving
+    15 / 6 = 2.5 (not the 3.0 that averaging the per-replica means 1.5 and 4.5 gives)."""
+    per_replica_result = per_example_values(two, [[0, 1, 2, 3], [4, 5]])
+
+    mean = await two.reduce(aiodist.ReduceOp.MEAN, per_replica_result, axis=0)
+
+    assert np.asarray(mean).shape == ()
+    assert float(mean) == 2.5
+
+    # The contrast the docstring draws: a mean per replica, then the mean of those.
+    per_replica_means = two.experimental_distribute_values_from_function(
+        lambda ctx: np.float32(np.mean(per_replica_result.values[ctx.replica_id_in_sync_group]))
+    )
+    mean_of_means = await two.reduce(aiodist.ReduceOp.MEAN, per_replica_means, axis=None)
+    assert float(mean_of_means) == 3.0
+
+
+async def test_reduce_uneven_last_batch_needs_an_axis(two):
+    """Strategy.reduce, "What should axis be?": without ``axis`` the uneven split
+    ``[0, 1, 2, 3]`` / ``[4, 5]`` is a shape mismatch (TF errors too); aiodist raises
+    ``ValueError`` instead of returning a wrong value."""
+    per_replica_result = per_example_values(two, [[0, 1, 2, 3], [4, 5]])
+
+    with pytest.raises(ValueError):
+        await two.reduce(aiodist.ReduceOp.MEAN, per_replica_result, axis=None)
+
+
+# -- Strategy.gather (distribute_lib.py) -----------------------------------------------
+
+
+async def test_gather_shape_2_1_per_replica(two):
+    """Strategy.gather, example 1: a DistributedValues with ``[[1], [2]]`` (shape (2, 1),
+    int32) on each of two replicas, gathered along axis 0, is
+    ``[[1], [2], [1], [2]]`` (shape (4, 1), int32)."""
+    distributed_values = two.experimental_distribute_values_from_function(
+        lambda _: np.array([[1], [2]], dtype=np.int32)
+    )
+
+    gathered = await two.gather(distributed_values, axis=0)
+
+    assert isinstance(gathered, np.ndarray)
+    assert_tensor(gathered, [[1], [2], [1], [2]], np.int32)
+
+
+GATHER_4_REPLICAS = {
+    0: [
+        [[0, 1, 2], [3, 4, 5]],
+        [[0, 1, 2], [3, 4, 5]],
+        [[0, 1, 2], [3, 4, 5]],
+        [[0, 1, 2], [3, 4, 5]],
+    ],
+    1: [
+        [
+            [0, 1, 2],
+            [3, 4, 5],
+            [0, 1, 2],
+            [3, 4, 5],
+            [0, 1, 2],
+            [3, 4, 5],
+            [0, 1, 2],
+            [3, 4, 5],
+        ]
+    ],
+    2: [
+        [
+            [0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2],
+            [3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4, 5],
+        ]
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    ("axis", "shape"), [(0, (4, 2, 3)), (1, (1, 8, 3)), (2, (1, 2, 12))], ids=str
+)
+async def test_gather_range_6_on_four_replicas(axis, shape):
+    """Strategy.gather, example 2: ``tf.reshape(tf.range(6), (1, 2, 3))`` on each of
+    four replicas, gathered along axis 0, 1 and 2, gives shapes (4, 2, 3), (1, 8, 3)
+    and (1, 2, 12) with exactly the values TF shows (int32)."""
+    strategy = aiodist.MirroredStrategy(cpu_devices(4))
+    single_tensor = np.arange(6, dtype=np.int32).reshape(1, 2, 3)
+    distributed_values = strategy.experimental_distribute_values_from_function(
+        lambda _: single_tensor.copy()
+    )
+
+    gathered = await strategy.gather(distributed_values, axis=axis)
+
+    assert gathered.shape == shape
+    assert_tensor(gathered, GATHER_4_REPLICAS[axis], np.int32)
+
+
+# -- Strategy.experimental_distribute_values_from_function (distribute_lib.py) ----------
+
+
+def test_values_from_function_example_1_constant(two):
+    """Strategy.experimental_distribute_values_from_function, example 1: a constant
+    ``tf.constant(1.)`` per replica; local results are ``(1.0, 1.0)`` (float32)."""
+
+    def value_fn(ctx):
+        return np.float32(1.0)
+
+    distributed_values = two.experimental_distribute_values_from_function(value_fn)
+    local_result = two.experimental_local_results(distributed_values)
+
+    assert isinstance(distributed_values, PerReplica)
+    assert isinstance(local_result, tuple)
+    assert len(local_result) == 2
+    for value in local_result:
+        assert_tensor(value, 1.0, np.float32)
+
+
+def test_values_from_function_example_2_indexed_by_replica_id(two):
+    """Strategy.experimental_distribute_values_from_function, example 2:
+    ``array_value = np.array([3., 2., 1.])`` indexed by replica id gives ``(3.0, 2.0)``."""
+    array_value = np.array([3.0, 2.0, 1.0])
+
+    def value_fn(ctx):
+        return array_value[ctx.replica_id_in_sync_group]
+
+    distributed_values = two.experimental_distribute_values_from_function(value_fn)
+    local_result = two.experimental_local_results(distributed_values)
+
+    assert local_result == (3.0, 2.0)
+    assert_tensor(local_result[0], 3.0, np.float64)
+    assert_tensor(local_result[1], 2.0, np.float64)
+
+
+def test_values_from_function_example_3_num_replicas_in_sync(two):
+    """Strategy.experimental_distribute_values_from_function, example 3: ``value_fn``
+    returning ``ctx.num_replicas_in_sync`` gives ``(2, 2)``."""
+
+    def value_fn(ctx):
+        return ctx.num_replicas_in_sync
+
+    distributed_values = two.experimental_distribute_values_from_function(value_fn)
+    local_result = two.experimental_local_results(distributed_values)
+
+    assert local_result == (2, 2)
+
+
+# -- tf.distribute.experimental.ValueContext (distribute_lib.py) -----------------------
+
+
+def test_value_context_example_1_directly_constructed():
+    """ValueContext, example 1 (directly constructed): with
+    ``replica_id_in_sync_group=2, num_replicas_in_sync=4``,
+    ``replica_id / num_replicas`` is 0.5."""
+
+    def value_fn(context):
+        return context.replica_id_in_sync_group / context.num_replicas_in_sync
+
+    context = aiodist.ValueContext(replica_id_in_sync_group=2, num_replicas_in_sync=4)
+    per_replica_value = value_fn(context)
+
+    assert context.replica_id_in_sync_group == 2
+    assert context.num_replicas_in_sync == 4
+    assert per_replica_value == 0.5
+
+
+def test_value_context_example_2_passed_by_values_from_function(two):
+    """ValueContext, example 2 (passed in by experimental_distribute_values_from_function):
+    ``value_context.num_replicas_in_sync`` on two replicas gives ``(2, 2)``; each call
+    gets a ValueContext with its own replica id."""
+    seen = []
+
+    def value_fn(value_context):
+        assert isinstance(value_context, aiodist.ValueContext)
+        seen.append(value_context.replica_id_in_sync_group)
+        return value_context.num_replicas_in_sync
+
+    distributed_values = two.experimental_distribute_values_from_function(value_fn)
+    local_result = two.experimental_local_results(distributed_values)
+
+    assert local_result == (2, 2)
+    assert seen == [0, 1]
+
+
+# -- tf.distribute.DistributedValues ---------------------------------------------------
+
+
+def five_and_six(strategy):
+    """The first batch of TF's ``from_tensor_slices([5., 6., 7., 8.]).batch(2)`` split
+    over two replicas: ``[5.]`` and ``[6.]`` (shape (1,), float32)."""
+    first_batch = np.array([5.0, 6.0], dtype=np.float32)
+
+    def value_fn(ctx):
+        i = ctx.replica_id_in_sync_group
+        return first_batch[i : i + 1].copy()
+
+    return strategy.experimental_distribute_values_from_function(value_fn)
+
+
+def test_distributed_values_example_1_created_per_replica(two):
+    """tf.distribute.DistributedValues, example 1 (created from a dataset; here from a
+    function): ``PerReplica:{0: [5.], 1: [6.]}`` (shape (1,), float32) on the replicas'
+    devices."""
+    distributed_values = five_and_six(two)
+
+    assert_per_replica(distributed_values, [[5.0], [6.0]], np.float32)
+    assert distributed_values.devices == ("/device:CPU:0", "/device:CPU:1")
+
+
+async def test_distributed_values_example_2_returned_by_run(two):
+    """tf.distribute.DistributedValues, example 2 (returned by run): the replica ids
+    give ``PerReplica:{0: 0, 1: 1}``."""
+    distributed_values = await two.run(replica_id)
+
+    assert isinstance(distributed_values, PerReplica)
+    assert distributed_values.values == (0, 1)
+
+
+async def test_distributed_values_example_3_input_into_run(two):
+    """tf.distribute.DistributedValues, example 3 (as input into run): ``input + 1.0``
+    on ``[5.]`` / ``[6.]`` gives ``PerReplica:{0: [6.], 1: [7.]}`` (float32)."""
+    distributed_values = five_and_six(two)
+
+    async def run(input):
+        return input + 1.0
+
+    updated_value = await two.run(run, args=(distributed_values,))
+
+    assert_per_replica(updated_value, [[6.0], [7.0]], np.float32)
+
+
+async def test_distributed_values_example_4_input_into_reduce(two):
+    """tf.distribute.DistributedValues, example 4 (as input into reduce): SUM with
+    ``axis=0`` of ``[5.]`` and ``[6.]`` is 11.0 (shape (), float32)."""
+    distributed_values = five_and_six(two)
+
+    reduced_value = await two.reduce(aiodist.ReduceOp.SUM, distributed_values, axis=0)
+
+    assert_tensor(reduced_value, 11.0, np.float32)
+
+
+def test_distributed_values_example_5_local_results(two):
+    """tf.distribute.DistributedValues, example 5 (inspect per-replica values locally):
+    ``experimental_local_results`` gives ``([5.], [6.])`` (shape (1,), float32)."""
+    distributed_values = five_and_six(two)
+
+    per_replica_values = two.experimental_local_results(distributed_values)
+
+    assert isinstance(per_replica_values, tuple)
+    assert len(per_replica_values) == 2
+    assert_tensor(per_replica_values[0], [5.0], np.float32)
+    assert_tensor(per_replica_values[1], [6.0], np.float32)
