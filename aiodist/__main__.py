@@ -62,12 +62,7 @@ async def train(devices: list[str], steps: int, lr: float, seed: int) -> float:
         y = x @ true_w + 0.01 * rng.normal(size=BATCH)
         shards_x = np.array_split(x, n)
         shards_y = np.array_split(y, n)
-        xs = strategy.experimental_distribute_values_from_function(
-            lambda ctx: shards_x[ctx.replica_id_in_sync_group]
-        )
-        ys = strategy.experimental_distribute_values_from_function(
-            lambda ctx: shards_y[ctx.replica_id_in_sync_group]
-        )
+        xs, ys = (aiodist.PerReplica(shards) for shards in (shards_x, shards_y))
         result = await strategy.run(step, args=(xs, ys, weights))
         new_w, loss = (strategy.experimental_local_results(part)[0] for part in result)
         weights = np.array(new_w)

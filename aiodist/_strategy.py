@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _context
+from . import _context, _nest
 from ._backends import backend_for, visible_gpu_count
 from ._cross_device_ops import CrossDeviceOps, ReductionToOneDevice
 from ._devices import Device, parse_device
@@ -24,7 +24,7 @@ from ._ops import ReduceOp
 from ._options import CommunicationOptions
 from ._replica_context import ReplicaContext, _keywords, _positional
 from ._scheduler import DefaultGroup, ReplicaSlot, RunGroup
-from ._values import DistributedValues, PerReplica
+from ._values import DistributedValues, PerReplica, select_replica
 
 __all__ = [
     "MirroredStrategy",
@@ -269,11 +269,19 @@ class Strategy:
         return values[0] if n == 1 else PerReplica(values, self._devices)
 
     def experimental_local_results(self, value: Any) -> tuple:
-        """The components of ``value``, one per local replica (``(value,)`` if not distributed)."""
+        """The components of ``value``, one per local replica.
+
+        A distributed value gives its components; a nested structure gives one
+        structure per replica with each distributed value in it replaced by that
+        replica's component; any other value gives ``(value,)``.
+        """
         if isinstance(value, DistributedValues):
             return value.values
         if hasattr(value, "_aiodist_local_results"):  # distributed variables
             return tuple(value._aiodist_local_results())
+        if _nest.is_nested(value):
+            n = self.num_replicas_in_sync
+            return tuple(select_replica(i, value, n) for i in range(n))
         return (value,)
 
     # -- cross-replica API --------------------------------------------------------------

@@ -138,6 +138,7 @@ async def test_all_gather_shapes_may_differ_only_along_axis(two):
 
     errors, raised = await run_collecting(two, fn)
     assert isinstance(raised, aiodist.CollectiveMismatchError)
+    assert sorted(errors) == [0, 1]
     assert "float64[2, 1]" in str(raised) and "float64[2, 2]" in str(raised)
 
 
@@ -174,6 +175,7 @@ async def test_strategy_default_timeout_applies_to_merge_call():
 
     errors, raised = await run_collecting(strategy, fn)
     assert isinstance(raised, aiodist.RendezvousTimeoutError)
+    assert list(errors) == [1]
     assert "merge_call #0: timed out after 0.05 s waiting for replica 0" in str(raised)
 
 

@@ -10,4 +10,6 @@ async def test_all_reduce_sums_over_replicas(strategy, num_replicas):
 
     result = await strategy.run(step)
     expected = num_replicas * (num_replicas + 1) / 2
-    assert [float(v) for v in strategy.experimental_local_results(result)] == [expected] * num_replicas
+    assert [float(v) for v in strategy.experimental_local_results(result)] == [
+        expected
+    ] * num_replicas

@@ -1,0 +1,144 @@
+"""Replica / cross-replica contexts in contextvars (SPEC §2)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import aiodist
+from tests.conftest import cpu_devices, wait_until
+
+
+def test_outside_any_scope_is_the_default_context():
+    default = aiodist.get_strategy()
+    assert not aiodist.has_strategy()
+    assert not aiodist.in_cross_replica_context()
+    assert aiodist.get_cross_replica_context() is default
+    ctx = aiodist.get_replica_context()
+    assert ctx is not None and ctx.strategy is default
+    assert default.num_replicas_in_sync == 1
+    assert default.extended.worker_devices == ("/device:CPU:0",)
+
+
+def test_scope_enters_cross_replica_context(two):
+    with two.scope() as entered:
+        assert entered is two
+        assert aiodist.get_strategy() is two
+        assert aiodist.has_strategy()
+        assert aiodist.in_cross_replica_context()
+        assert aiodist.get_replica_context() is None
+        assert aiodist.get_cross_replica_context() is two
+        with two.scope():  # re-entering the same strategy is fine
+            assert aiodist.get_strategy() is two
+        assert aiodist.in_cross_replica_context()
+    assert not aiodist.has_strategy()
+
+
+def test_mixing_strategies_raises(two, three):
+    with two.scope():
+        with pytest.raises(RuntimeError, match=r"Mixing different aiodist strategies"):
+            with three.scope():
+                pass
+        assert aiodist.get_strategy() is two
+
+
+async def test_inside_run_replica_context_is_current(two):
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        assert aiodist.get_strategy() is two
+        assert aiodist.has_strategy()
+        assert not aiodist.in_cross_replica_context()
+        assert aiodist.get_cross_replica_context() is None
+        with two.scope():  # same strategy inside its replica: stays in replica context
+            assert aiodist.get_replica_context() is ctx
+        return ctx.strategy is two
+
+    assert await two.run(fn) is True
+    with two.scope():
+        assert await two.run(fn) is True
+
+
+async def test_run_of_another_strategy_inside_a_scope_raises(two, three):
+    with three.scope(), pytest.raises(aiodist.ContextError, match=r"Mixing different"):
+        await two.run(lambda: None)
+
+
+async def test_cross_replica_methods_in_replica_context_point_to_merge_call(two):
+    async def fn():
+        value = aiodist.PerReplica([1.0, 2.0])
+        with pytest.raises(RuntimeError, match=r"reduce\(\) needs cross-replica.*merge_call"):
+            await two.reduce("sum", value, axis=None)
+        with pytest.raises(aiodist.ContextError, match=r"gather\(\) needs cross-replica"):
+            await two.gather(value, axis=0)
+        with pytest.raises(aiodist.ContextError, match=r"reduce_to\(\)"):
+            await two.extended.reduce_to("sum", value, "cpu:0")
+        with pytest.raises(aiodist.ContextError, match=r"batch_reduce_to\(\)"):
+            await two.extended.batch_reduce_to("sum", [(value, "cpu:0")])
+        with pytest.raises(aiodist.ContextError, match=r"broadcast_to\(\)"):
+            await two.extended.broadcast_to(1.0, "cpu:0")
+        return True
+
+    assert await two.run(fn) is True
+
+
+async def test_concurrent_tasks_never_see_each_others_context(two, three):
+    """A scope entered in one task is invisible in another running at the same time."""
+    inside = asyncio.Event()
+    release = asyncio.Event()
+
+    async def scoped():
+        with two.scope():
+            inside.set()
+            await release.wait()
+            return aiodist.get_strategy()
+
+    async def observer():
+        await inside.wait()
+        seen = (aiodist.has_strategy(), aiodist.get_replica_context())
+        with three.scope():  # no mixing error: the other task's scope is not ours
+            pass
+        release.set()
+        return seen
+
+    got_scoped, (has, ctx) = await asyncio.gather(scoped(), observer())
+    assert got_scoped is two
+    assert has is False
+    assert ctx is not None and ctx.strategy is aiodist.get_strategy()
+
+
+async def test_replicas_each_see_only_their_own_context(num_replicas):
+    strategy = aiodist.MirroredStrategy(cpu_devices(num_replicas))
+    seen = {}
+    arrived = []
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        arrived.append(ctx)
+        await wait_until(lambda: len(arrived) == num_replicas, "all replicas started")
+        seen[ctx.replica_id_in_sync_group] = aiodist.get_replica_context()
+        return None
+
+    await strategy.run(fn)
+    assert len({id(c) for c in seen.values()}) == num_replicas
+    assert all(c.replica_id_in_sync_group == i for i, c in seen.items())
+
+
+def test_experimental_set_strategy(two):
+    aiodist.experimental_set_strategy(two)
+    try:
+        assert aiodist.get_strategy() is two
+        assert aiodist.in_cross_replica_context()
+        with two.scope():
+            with pytest.raises(aiodist.ContextError, match=r"inside a strategy scope"):
+                aiodist.experimental_set_strategy(None)
+    finally:
+        aiodist.experimental_set_strategy(None)
+    assert not aiodist.has_strategy()
+
+
+def test_replica_context_repr(two):
+    with two.scope():
+        assert aiodist.get_replica_context() is None
+    ctx = aiodist.get_replica_context()
+    assert "replica 0 of 1" in repr(ctx)

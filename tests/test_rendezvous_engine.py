@@ -1,0 +1,161 @@
+"""The rendezvous engine on its own: no arrays, no strategies (STYLE: testable alone)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from aiodist import (
+    CollectiveMismatchError,
+    RendezvousError,
+    RendezvousTimeoutError,
+    ReplicaExitedError,
+)
+from aiodist._rendezvous import Rendezvous, Signature
+
+pytestmark = pytest.mark.timeout(10)
+
+SUM = Signature("sum", "int", "sum(int)")
+
+
+class Recorder:
+    """An execute callback that sums payloads and records each execution."""
+
+    def __init__(self):
+        self.executions = []
+
+    def __call__(self, number, signature, payloads):
+        self.executions.append((number, signature.name, list(payloads)))
+        total = sum(payloads)
+        return [total + replica for replica in range(len(payloads))]
+
+
+async def test_completes_once_when_all_arrive_with_per_replica_results():
+    execute = Recorder()
+    rv = Rendezvous(3, execute)
+    futures = [rv.arrive(r, SUM, 10 * r) for r in (2, 0)]
+    assert not any(f.done() for f in futures)
+    assert rv.pending() == [("sum #0", [0, 2], [1])]
+    last = rv.arrive(1, SUM, 10)
+    assert [await f for f in futures] == [32, 30]
+    assert await last == 31
+    assert execute.executions == [(0, "sum", [0, 10, 20])]
+    assert rv.pending() == []
+
+
+async def test_calls_are_matched_by_call_number_not_time():
+    execute = Recorder()
+    rv = Rendezvous(2, execute)
+    a0 = rv.arrive(0, SUM, 1)
+    a1 = rv.arrive(0, SUM, 100)  # replica 0 is already at call #1
+    b0 = rv.arrive(1, SUM, 2)
+    b1 = rv.arrive(1, SUM, 200)
+    assert (await a0, await b0, await a1, await b1) == (3, 4, 300, 301)
+    assert [number for number, _, _ in execute.executions] == [0, 1]
+
+
+async def test_mismatch_fails_arrived_and_later_arrivals():
+    rv = Rendezvous(3, Recorder())
+    first = rv.arrive(0, SUM, 1)
+    odd = rv.arrive(1, Signature("gather", 0, "gather(axis=0)"), 1)
+    late = rv.arrive(2, SUM, 1)
+    for future in (first, odd, late):
+        with pytest.raises(CollectiveMismatchError) as info:
+            await future
+    message = str(info.value)
+    assert "replica 0 called sum(int)" in message
+    assert "replica 1 called gather(axis=0)" in message
+    assert "replica 2 not arrived yet" in message
+
+
+async def test_exit_fails_calls_the_replica_never_joined():
+    rv = Rendezvous(3, Recorder())
+    done = [rv.arrive(r, SUM, 1) for r in range(3)]  # call #0 completes
+    waiting = rv.arrive(0, SUM, 1)  # call #1
+    rv.replica_exited(2, "returned")
+    with pytest.raises(ReplicaExitedError, match=r"sum #1: replica 2 returned without calling"):
+        await waiting
+    later = rv.arrive(1, SUM, 1)
+    with pytest.raises(ReplicaExitedError):
+        await later
+    assert [await f for f in done] == [3, 4, 5]
+
+
+async def test_exit_after_joining_everything_is_harmless():
+    rv = Rendezvous(2, Recorder())
+    a = rv.arrive(0, SUM, 1)
+    rv.replica_exited(0, "returned")  # it did join call #0
+    b = rv.arrive(1, SUM, 2)
+    assert (await a, await b) == (3, 4)
+
+
+async def test_timeout_names_missing_replicas():
+    rv = Rendezvous(4, Recorder())
+    futures = [rv.arrive(r, SUM, 1, timeout=0.02) for r in (0, 3)]
+    for future in futures:
+        with pytest.raises(RendezvousTimeoutError) as info:
+            await future
+    assert "timed out after 0.02 s waiting for replicas 1, 2; replicas 0, 3 arrived" in str(
+        info.value
+    )
+
+
+async def test_completion_cancels_the_timer():
+    rv = Rendezvous(2, Recorder())
+    a = rv.arrive(0, SUM, 1, timeout=0.01)
+    b = rv.arrive(1, SUM, 1)
+    await asyncio.sleep(0.03)
+    assert (a.result(), b.result()) == (2, 3)
+
+
+async def test_execute_exception_reaches_every_replica():
+    boom = ArithmeticError("boom")
+
+    def execute(number, signature, payloads):
+        raise boom
+
+    rv = Rendezvous(2, execute)
+    futures = [rv.arrive(r, SUM, 1) for r in range(2)]
+    for future in futures:
+        with pytest.raises(ArithmeticError) as info:
+            await future
+        assert info.value is boom
+
+
+async def test_async_execution_delivers_later():
+    loop = asyncio.get_running_loop()
+    gate = loop.create_future()
+
+    def execute(number, signature, payloads):
+        async def later():
+            await gate
+            return ["a", "b"]
+
+        return loop.create_task(later())
+
+    rv = Rendezvous(2, execute)
+    futures = [rv.arrive(r, SUM, 0) for r in range(2)]
+    await asyncio.sleep(0)
+    assert not any(f.done() for f in futures)
+    gate.set_result(None)
+    assert [await f for f in futures] == ["a", "b"]
+
+
+async def test_close_fails_pending_and_later_calls():
+    rv = Rendezvous(2, Recorder())
+    pending = rv.arrive(0, SUM, 1, timeout=5)
+    rv.close("test over")
+    with pytest.raises(RendezvousError, match="closed: test over"):
+        await pending
+    with pytest.raises(RendezvousError, match="closed"):
+        await rv.arrive(1, SUM, 1)
+
+
+def test_engine_does_not_import_arrays():
+    import pathlib
+
+    import aiodist._rendezvous as module
+
+    source = pathlib.Path(module.__file__).read_text()
+    assert "numpy" not in source and "cupy" not in source
