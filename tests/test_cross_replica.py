@@ -1,0 +1,198 @@
+"""Cross-replica API and cross-device ops on CPU devices (SPEC §5, §6)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import aiodist
+from tests.conftest import cpu_devices
+
+
+def per_replica(strategy, fn):
+    return strategy.experimental_distribute_values_from_function(
+        lambda ctx: fn(ctx.replica_id_in_sync_group)
+    )
+
+
+async def test_reduce_without_axis(strategy, num_replicas):
+    value = per_replica(strategy, lambda r: np.array([r, 2 * r], dtype=np.float32))
+    total = await strategy.reduce("sum", value, axis=None)
+    s = sum(range(num_replicas))
+    np.testing.assert_array_equal(total, [s, 2 * s])
+    assert isinstance(total, np.ndarray) and total.dtype == np.float32
+    mean = await strategy.reduce(aiodist.ReduceOp.MEAN, value, axis=None)
+    np.testing.assert_allclose(mean, [s / num_replicas, 2 * s / num_replicas])
+    biggest = await strategy.reduce("max", value, axis=None)
+    np.testing.assert_array_equal(biggest, [num_replicas - 1, 2 * (num_replicas - 1)])
+
+
+async def test_reduce_with_axis_uses_true_element_count(three):
+    """Uneven per-replica batches: MEAN over axis=0 divides by all 6 elements."""
+    parts = [np.array([1.0, 2.0, 3.0]), np.array([4.0, 5.0]), np.array([6.0])]
+    value = aiodist.PerReplica(parts)
+    assert float(await three.reduce("mean", value, axis=0)) == 3.5
+    assert float(await three.reduce("sum", value, axis=0)) == 21.0
+    assert float(await three.reduce("min", value, axis=0)) == 1.0
+    assert float(await three.reduce("product", value, axis=[0])) == 720.0
+
+
+async def test_reduce_with_axis_on_matrices(two):
+    value = aiodist.PerReplica([np.ones((2, 3)), 2 * np.ones((4, 3))])
+    np.testing.assert_allclose(await two.reduce("sum", value, axis=0), [10.0, 10.0, 10.0])
+    np.testing.assert_allclose(await two.reduce("mean", value, axis=0), [10 / 6] * 3)
+    assert float(await two.reduce("mean", value, axis=(0, 1))) == pytest.approx(30 / 18)
+
+
+async def test_reduce_plain_values(two):
+    one = aiodist.OneDeviceStrategy("cpu:0")
+    assert float(await one.reduce("sum", 4.0, axis=None)) == 4.0
+    assert float(await two.reduce("mean", 4.0, axis=None)) == 4.0
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"cannot be reduced with SUM across 2"):
+        await two.reduce("sum", 4.0, axis=None)
+
+
+async def test_reduce_errors(two):
+    uneven = aiodist.PerReplica([np.ones(2), np.ones(3)])
+    with pytest.raises(ValueError, match=r"differ in shape or dtype \(replica 0: float64\[2\]"):
+        await two.reduce("sum", uneven, axis=None)
+    with pytest.raises(ValueError, match=r"axis=1 is out of range"):
+        await two.reduce("sum", uneven, axis=1)
+    with pytest.raises(ValueError, match=r"is not a reduce op"):
+        await two.reduce("avg", uneven, axis=0)
+
+
+async def test_reduce_inside_scope_and_from_merge_fn(two):
+    value = per_replica(two, lambda r: float(r + 1))
+    with two.scope():
+        assert float(await two.reduce("sum", value, axis=None)) == 3.0
+
+    async def merge_fn(strategy, v):
+        return await strategy.reduce("sum", v, axis=None)
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        return await ctx.merge_call(merge_fn, args=(float(ctx.replica_id_in_sync_group + 1),))
+
+    assert float(await two.run(fn)) == 3.0
+
+
+async def test_gather(three):
+    value = aiodist.PerReplica([np.arange(2), np.arange(3), np.arange(1)])
+    np.testing.assert_array_equal(await three.gather(value, axis=0), [0, 1, 0, 1, 2, 0])
+    with pytest.raises(ValueError, match=r"rank-0 value"):
+        await three.gather(aiodist.PerReplica([1.0, 2.0, 3.0]), axis=0)
+    with pytest.raises(ValueError, match=r"shapes may differ only along axis 1"):
+        await three.gather(aiodist.PerReplica([np.ones((1, 2))] * 2 + [np.ones((2, 2))]), axis=1)
+
+
+async def test_reduce_to_destinations(two):
+    value = per_replica(two, lambda r: np.array([r + 1.0]))
+    single = await two.extended.reduce_to("sum", value, destinations="cpu:1")
+    np.testing.assert_array_equal(single, [3.0])
+    assert single.flags.writeable
+
+    mirrored = await two.extended.reduce_to("mean", value, destinations=value)
+    assert isinstance(mirrored, aiodist.Mirrored)
+    assert mirrored.devices == ("/device:CPU:0", "/device:CPU:1")
+    for v in two.experimental_local_results(mirrored):
+        np.testing.assert_array_equal(v, [1.5])
+        assert not v.flags.writeable
+
+    on_array = await two.extended.reduce_to("sum", value, destinations=np.zeros(1))
+    np.testing.assert_array_equal(on_array, [3.0])
+
+    to_list = await two.extended.reduce_to("max", value, destinations=["cpu:0", "cpu:5"])
+    assert to_list.devices == ("/device:CPU:0", "/device:CPU:5")
+
+    with pytest.raises(ValueError, match=r"destinations=3\.5; expected a device string"):
+        await two.extended.reduce_to("sum", value, destinations=3.5)
+
+
+async def test_batch_reduce_to_and_broadcast_to(two):
+    a = per_replica(two, lambda r: np.float64(r))
+    b = per_replica(two, lambda r: np.array([r, r + 1]))
+    out = await two.extended.batch_reduce_to("sum", [(a, "cpu:0"), (b, b)])
+    assert float(out[0]) == 1.0
+    for v in two.experimental_local_results(out[1]):
+        np.testing.assert_array_equal(v, [1, 3])
+    with pytest.raises(ValueError, match=r"expected a list of \(value, destinations\) pairs"):
+        await two.extended.batch_reduce_to("sum", [a])
+
+    source = np.array([1, 2])
+    copies = await two.extended.broadcast_to(source, b)
+    assert isinstance(copies, aiodist.Mirrored)
+    for v in two.experimental_local_results(copies):
+        np.testing.assert_array_equal(v, [1, 2])
+    single = await two.extended.broadcast_to(source, "cpu:1")
+    assert single is not source
+    np.testing.assert_array_equal(single, source)
+
+
+async def test_reduction_to_one_device_options():
+    calls = []
+
+    def add_n(values):
+        calls.append(len(values))
+        return np.sum(np.stack(values), axis=0)
+
+    ops = aiodist.ReductionToOneDevice(reduce_to_device="cpu:3", accumulation_fn=add_n)
+    strategy = aiodist.MirroredStrategy(cpu_devices(3), cross_device_ops=ops)
+    assert repr(ops) == "ReductionToOneDevice(reduce_to_device='/device:CPU:3')"
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        return await ctx.all_reduce("sum", np.full(2, ctx.replica_id_in_sync_group))
+
+    result = await strategy.run(fn)
+    for v in strategy.experimental_local_results(result):
+        np.testing.assert_array_equal(v, [3, 3])
+    assert calls == [3]
+    with pytest.raises(ValueError, match=r"accumulation_fn=1 is not callable"):
+        aiodist.ReductionToOneDevice(accumulation_fn=1)
+
+
+async def test_cross_device_ops_directly():
+    ops = aiodist.ReductionToOneDevice()
+    value = aiodist.PerReplica([np.array([1, 2]), np.array([3, 4])], devices=None)
+    reduced = await ops.reduce("sum", value, "cpu:0")
+    np.testing.assert_array_equal(reduced, [4, 6])
+    batch = await ops.batch_reduce("max", [(value, "cpu:0"), (value, ["cpu:0", "cpu:1"])])
+    np.testing.assert_array_equal(batch[0], [3, 4])
+    assert isinstance(batch[1], aiodist.Mirrored)
+    broadcast = await ops.broadcast(np.array([7]), ["cpu:0", "cpu:1"])
+    assert [int(v[0]) for v in broadcast.values] == [7, 7]
+    gathered = await ops.gather(value, "cpu:0", axis=0)
+    np.testing.assert_array_equal(gathered, [1, 2, 3, 4])
+    with pytest.raises(ValueError, match=r"broadcast: tensor is a PerReplica"):
+        await ops.broadcast(value, "cpu:0")
+
+
+def test_distribute_values_from_function(strategy, num_replicas):
+    seen = []
+
+    def value_fn(ctx):
+        seen.append((ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync))
+        return ctx.replica_id_in_sync_group * 10
+
+    values = strategy.experimental_distribute_values_from_function(value_fn)
+    assert seen == [(i, num_replicas) for i in range(num_replicas)]
+    assert strategy.experimental_local_results(values) == tuple(10 * i for i in range(num_replicas))
+    if num_replicas > 1:
+        assert isinstance(values, aiodist.PerReplica)
+        assert "PerReplica:{" in repr(values) and "1: 10" in repr(values)
+
+
+def test_local_results_of_plain_and_nested_values(two):
+    assert two.experimental_local_results(5) == (5,)
+    nested = {"a": aiodist.PerReplica([1, 2]), "b": "same"}
+    assert two.experimental_local_results(nested) == ({"a": 1, "b": "same"}, {"a": 2, "b": "same"})
+
+
+def test_distributed_values_construction_errors():
+    with pytest.raises(TypeError, match=r"abstract"):
+        aiodist.DistributedValues([1])
+    with pytest.raises(ValueError, match=r"non-empty list or tuple"):
+        aiodist.PerReplica([])
+    with pytest.raises(ValueError, match=r"2 values but 1 devices"):
+        aiodist.Mirrored([1, 2], devices=[aiodist.Device("CPU", 0)])

@@ -1,0 +1,134 @@
+"""Device strings and strategy construction (SPEC §1)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+import aiodist
+
+HAS_CUPY = importlib.util.find_spec("cupy") is not None
+
+
+@pytest.mark.parametrize(
+    ("spec", "canonical"),
+    [
+        ("GPU:0", "/device:GPU:0"),
+        ("gpu:0", "/device:GPU:0"),
+        ("/gpu:0", "/device:GPU:0"),
+        ("/device:GPU:0", "/device:GPU:0"),
+        ("device:gpu:3", "/device:GPU:3"),
+        ("/job:localhost/replica:0/task:0/device:GPU:1", "/device:GPU:1"),
+        ("CPU:0", "/device:CPU:0"),
+        ("cpu:12", "/device:CPU:12"),
+        ("/cpu:1", "/device:CPU:1"),
+        ("/device:CPU:2", "/device:CPU:2"),
+        ("/job:localhost/replica:0/task:0/device:CPU:7", "/device:CPU:7"),
+        (aiodist.Device("CPU", 4), "/device:CPU:4"),
+    ],
+)
+def test_canonical_device_names(spec, canonical):
+    assert aiodist.canonical_device(spec) == canonical
+    assert str(aiodist._devices.parse_device(spec)) == canonical
+
+
+@pytest.mark.parametrize(
+    "bad", ["tpu:0", "cpu", "cpu:-1", "GPU:x", "", "/job:worker/task:1/device:CPU:0", "cpu:0:1"]
+)
+def test_bad_device_strings_name_the_string_and_the_forms(bad):
+    with pytest.raises(ValueError) as info:
+        aiodist.MirroredStrategy([bad])
+    assert isinstance(info.value, aiodist.DeviceError)
+    assert repr(bad) in str(info.value)
+    assert "expected 'CPU:<i>' or 'GPU:<i>'" in str(info.value)
+
+
+def test_other_jobs_are_called_out():
+    with pytest.raises(aiodist.DeviceError, match=r"other jobs or tasks \(multi-worker\)"):
+        aiodist.canonical_device("/job:worker/replica:0/task:1/device:GPU:0")
+
+
+def test_non_string_device():
+    with pytest.raises(aiodist.DeviceError, match=r"device 3 is a int"):
+        aiodist.MirroredStrategy([3])
+
+
+def test_empty_device_list():
+    with pytest.raises(ValueError, match=r"devices=\[\] names no device"):
+        aiodist.MirroredStrategy([])
+
+
+def test_single_string_instead_of_list():
+    with pytest.raises(
+        aiodist.DeviceError, match=r"expected a list of device strings, e\.g\. \['cpu:1'\]"
+    ):
+        aiodist.MirroredStrategy("cpu:1")
+
+
+@pytest.mark.skipif(HAS_CUPY, reason="checks the message given when CuPy is not installed")
+def test_gpu_without_cupy_says_how_to_install():
+    with pytest.raises(aiodist.DeviceError) as info:
+        aiodist.MirroredStrategy(["cpu:0", "gpu:1"])
+    message = str(info.value)
+    assert "'/device:GPU:1' is a GPU, but CuPy is not installed" in message
+    assert "pip install 'aiodist[cuda12]'" in message and "aiodist[cuda13]" in message
+    assert "CPU devices" in message
+
+
+def test_default_devices_without_gpus_is_cpu0():
+    strategy = aiodist.MirroredStrategy()
+    if not HAS_CUPY:
+        assert strategy.extended.worker_devices == ("/device:CPU:0",)
+    assert strategy.num_replicas_in_sync == len(strategy.extended.worker_devices) >= 1
+
+
+def test_worker_and_parameter_devices_with_repeats():
+    strategy = aiodist.MirroredStrategy(["cpu:1", "/cpu:0", "CPU:1"])
+    assert strategy.num_replicas_in_sync == 3
+    assert strategy.extended.worker_devices == ("/device:CPU:1", "/device:CPU:0", "/device:CPU:1")
+    assert strategy.extended.parameter_devices == ("/device:CPU:1", "/device:CPU:0")
+    assert repr(strategy) == (
+        "MirroredStrategy(devices=['/device:CPU:1', '/device:CPU:0', '/device:CPU:1'])"
+    )
+
+
+def test_any_number_of_cpu_replicas():
+    strategy = aiodist.MirroredStrategy([f"cpu:{i}" for i in range(64)])
+    assert strategy.num_replicas_in_sync == 64
+
+
+def test_one_device_strategy():
+    strategy = aiodist.OneDeviceStrategy("/cpu:2")
+    assert strategy.num_replicas_in_sync == 1
+    assert strategy.extended.worker_devices == ("/device:CPU:2",)
+    assert strategy.extended.parameter_devices == ("/device:CPU:2",)
+    with pytest.raises(aiodist.DeviceError, match=r"expected one device string"):
+        aiodist.OneDeviceStrategy(["cpu:0"])
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(
+        ValueError, match=r"cross_device_ops='nccl'; expected an aiodist.CrossDeviceOps"
+    ):
+        aiodist.MirroredStrategy(["cpu:0"], cross_device_ops="nccl")
+    with pytest.raises(ValueError, match=r"communication_options=5"):
+        aiodist.MirroredStrategy(["cpu:0"], communication_options=5)
+
+
+def test_communication_options_validation_and_merge():
+    with pytest.raises(ValueError, match=r"timeout_seconds=-1"):
+        aiodist.CommunicationOptions(timeout_seconds=-1)
+    with pytest.raises(ValueError, match=r"bytes_per_pack=1.5"):
+        aiodist.CommunicationOptions(bytes_per_pack=1.5)
+    with pytest.raises(
+        ValueError, match=r"implementation='fast'; expected one of AUTO, RING, NCCL"
+    ):
+        aiodist.CommunicationOptions(implementation="fast")
+    base = aiodist.CommunicationOptions(bytes_per_pack=1024, timeout_seconds=30)
+    merged = base.merge(aiodist.CommunicationOptions(timeout_seconds=2))
+    assert merged == aiodist.CommunicationOptions(bytes_per_pack=1024, timeout_seconds=2)
+    assert base.merge(None) is base
+    assert aiodist.CommunicationOptions(implementation="nccl").implementation is (
+        aiodist.CommunicationImplementation.NCCL
+    )

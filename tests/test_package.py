@@ -1,0 +1,95 @@
+"""The package surface: exports, lazy CuPy, aiodist.run, the demo."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import aiodist
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_all_is_sorted_and_complete():
+    assert aiodist.__all__ == sorted(aiodist.__all__)
+    public = {
+        name
+        for name in vars(aiodist)
+        if not name.startswith("_")
+        and name not in {"annotations"}
+        and not isinstance(getattr(aiodist, name), type(aiodist))
+    }
+    assert public == set(aiodist.__all__)
+    for name in aiodist.__all__:
+        assert getattr(aiodist, name) is not None
+
+
+def test_errors_subclass_the_builtins_the_spec_names():
+    assert issubclass(aiodist.InvalidArgumentError, ValueError)
+    assert issubclass(aiodist.DeviceError, ValueError)
+    assert issubclass(aiodist.ContextError, RuntimeError)
+    assert issubclass(aiodist.RendezvousError, RuntimeError)
+    assert issubclass(aiodist.CollectiveMismatchError, ValueError)
+    assert issubclass(aiodist.RendezvousTimeoutError, TimeoutError)
+    for name in aiodist.__all__:
+        obj = getattr(aiodist, name)
+        if isinstance(obj, type) and issubclass(obj, Exception):
+            assert issubclass(obj, aiodist.AiodistError)
+
+
+def _python(code: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_import_never_imports_cupy():
+    out = _python(
+        "import sys, aiodist; s = aiodist.MirroredStrategy(['cpu:0', 'cpu:1']);"
+        "print('cupy' in sys.modules, 'uvloop' in sys.modules)"
+    )
+    assert out.split() == ["False", "False"]
+
+
+def test_aiodist_run_uses_uvloop_when_installed():
+    uvloop = pytest.importorskip("uvloop")
+
+    async def which():
+        return type(__import__("asyncio").get_running_loop())
+
+    assert aiodist.run(which()) is uvloop.Loop
+
+
+def test_demo_trains_to_the_true_weights():
+    done = subprocess.run(
+        [sys.executable, "-m", "aiodist", "--steps", "60", "--devices", "cpu:0,cpu:1,cpu:2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "3 replica(s) on: /device:CPU:0, /device:CPU:1, /device:CPU:2" in lines
+    assert any("uvloop" in line for line in lines[:2])
+    losses = [float(line.split()[-1]) for line in lines if line.startswith("step")]
+    assert len(losses) == 60 and losses[-1] < losses[0] / 100
+    error = float(lines[-1].rsplit("=", 1)[1])
+    assert error < 0.01
+
+
+def test_demo_reports_bad_devices():
+    done = subprocess.run(
+        [sys.executable, "-m", "aiodist", "--devices", "tpu:0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "device string 'tpu:0' is not understood" in done.stderr

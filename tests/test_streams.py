@@ -1,0 +1,137 @@
+"""The device/stream seam: activation on every step, cross-replica bracketing.
+
+CuPy's current stream is thread-local; here a plain module-level "current
+stream" plays that role, so the hooks are checked on CPU-only machines. The
+tracking backend below is a real backend (it subclasses the CPU one and only
+adds stream bookkeeping), driven by the real scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import aiodist
+from aiodist._backends import CpuBackend
+from aiodist._devices import Device
+from aiodist._scheduler import ReplicaSlot, RunGroup
+from aiodist._streams import drive
+
+
+class TrackingBackend(CpuBackend):
+    """CPU arrays, plus a thread-local-like 'current stream' switched on every step."""
+
+    needs_activation = True
+
+    def __init__(self):
+        self.current = "default"
+        self.activations = 0
+        self.cross_replica = []
+
+    def new_stream(self, device):
+        return f"stream-{device.index}"
+
+    def activate(self, device, stream):
+        previous, self.current = self.current, stream
+        self.activations += 1
+        return previous
+
+    def deactivate(self, token):
+        self.current = token
+
+    def begin_cross_replica(self, slots):
+        self.cross_replica.append(("begin", self.current))
+        return len(self.cross_replica)
+
+    def end_cross_replica(self, token, slots):
+        self.cross_replica.append(("end", token))
+
+
+async def test_drive_activates_around_every_step_only():
+    backend = TrackingBackend()
+    seen_inside, seen_outside = [], []
+
+    async def replica():
+        for _ in range(5):
+            seen_inside.append(backend.current)
+            await asyncio.sleep(0)
+        return "result"
+
+    async def bystander():
+        for _ in range(10):
+            seen_outside.append(backend.current)
+            await asyncio.sleep(0)
+
+    device = Device("CPU", 0)
+    result, _ = await asyncio.gather(
+        drive(replica(), lambda: backend.activate(device, "s0"), backend.deactivate),
+        bystander(),
+    )
+    assert result == "result"
+    assert seen_inside == ["s0"] * 5
+    assert set(seen_outside) == {"default"}
+    assert backend.current == "default"
+    assert backend.activations == 6  # the start and 5 resumes
+
+
+async def test_drive_forwards_exceptions_and_cancellation_under_activation():
+    backend = TrackingBackend()
+    device = Device("CPU", 0)
+    in_handler = []
+
+    async def replica():
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            in_handler.append(backend.current)
+            raise
+
+    task = asyncio.ensure_future(
+        drive(replica(), lambda: backend.activate(device, "s1"), backend.deactivate)
+    )
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert in_handler == ["s1"]
+    assert backend.current == "default"
+
+    async def failing():
+        await asyncio.sleep(0)
+        raise KeyError("x")
+
+    with pytest.raises(KeyError):
+        await drive(failing(), lambda: backend.activate(device, "s2"), backend.deactivate)
+    assert backend.current == "default"
+
+
+async def test_scheduler_runs_each_replica_on_its_stream_and_brackets_collectives():
+    backend = TrackingBackend()
+    strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:1"])
+    slots = [
+        ReplicaSlot(i, Device("CPU", i), backend, backend.new_stream(Device("CPU", i)))
+        for i in range(2)
+    ]
+    group = RunGroup(strategy, slots)
+    observed = {0: [], 1: []}
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        rid = ctx.replica_id_in_sync_group
+        for _ in range(3):
+            observed[rid].append(backend.current)
+            await asyncio.sleep(0)
+            observed[rid].append(backend.current)
+            await ctx.all_reduce("sum", np.ones(2))
+        await ctx.merge_call(lambda s: None)
+        observed[rid].append(backend.current)
+        return rid
+
+    assert await group.run(fn, (), {}) is not None
+    assert set(observed[0]) == {"stream-0"}
+    assert set(observed[1]) == {"stream-1"}
+    assert backend.current == "default"
+    # 3 all_reduces and one merge_call, each bracketed once.
+    assert [kind for kind, _ in backend.cross_replica] == ["begin", "end"] * 4
