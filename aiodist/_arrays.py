@@ -6,13 +6,14 @@ They work on any array type with NumPy's attributes (``dtype``, ``shape``,
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from . import _nest
 from ._errors import InvalidArgumentError
 from ._ops import ReduceOp
 
-__all__ = ["check_reducible", "leaf_text", "structure_text"]
+__all__ = ["as_axis", "check_reducible", "gather_axis", "leaf_text", "structure_text"]
 
 # dtype kinds that can be reduced: signed/unsigned ints, floats, complex; bool for MIN/MAX.
 _NUMERIC_KINDS = frozenset("iufc")
@@ -50,3 +51,30 @@ def check_reducible(op: ReduceOp, array: Any, where: str) -> None:
         "numeric arrays or scalars (integers, floats, complex; bool only with MIN/MAX). "
         "Convert the value first, e.g. x.astype(np.int32)."
     )
+
+
+def as_axis(axis: Any, where: str) -> int:
+    """``axis`` as an int; raises ``InvalidArgumentError`` for anything else."""
+    try:
+        return operator.index(axis)
+    except TypeError:
+        raise InvalidArgumentError(f"{where}: axis={axis!r}; expected an int.") from None
+
+
+def gather_axis(array: Any, axis: int, where: str) -> int:
+    """``axis`` as a non-negative index into ``array``'s shape, for concatenation.
+
+    Raises ``InvalidArgumentError`` for rank-0 values (nothing to concatenate
+    along) and out-of-range axes.
+    """
+    if array.ndim == 0:
+        raise InvalidArgumentError(
+            f"{where}: a rank-0 value ({leaf_text(array)}) has no axis to concatenate "
+            "along; give it one first, e.g. x[None] with axis=0."
+        )
+    if not -array.ndim <= axis < array.ndim:
+        raise InvalidArgumentError(
+            f"{where}: axis={axis} is out of range for a value of shape "
+            f"{tuple(array.shape)}; expected {-array.ndim} <= axis < {array.ndim}."
+        )
+    return axis % array.ndim

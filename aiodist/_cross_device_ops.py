@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ._arrays import check_reducible, leaf_text
+from ._arrays import check_reducible, gather_axis, leaf_text
 from ._backends import backend_for
 from ._devices import Device, parse_device
 from ._errors import InvalidArgumentError
@@ -317,18 +317,9 @@ def _check_alike(arrays: Sequence[Any], where: str) -> None:
 
 def _check_gatherable(arrays: Sequence[Any], axis: int, where: str) -> None:
     first = arrays[0]
-    for array in arrays:
-        if array.ndim == 0:
-            raise InvalidArgumentError(
-                f"{where}: a rank-0 value ({leaf_text(array)}) has no axis to concatenate "
-                "along; give it one first (x[None])."
-            )
-        if not -array.ndim <= axis < array.ndim:
-            raise InvalidArgumentError(
-                f"{where}: axis={axis} is out of range for shape {tuple(array.shape)}; "
-                f"expected {-array.ndim} <= axis < {array.ndim}."
-            )
-    along = axis % first.ndim
+    along = gather_axis(first, axis, where)
+    for array in arrays[1:]:
+        gather_axis(array, axis, where)
 
     def others(a: Any) -> tuple:
         return tuple(n for i, n in enumerate(a.shape) if i != along), a.ndim, a.dtype

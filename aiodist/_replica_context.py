@@ -15,12 +15,11 @@ is valid, and ``await ctx.all_reduce(...)`` is the common form.
 from __future__ import annotations
 
 import asyncio
-import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _context, _nest
-from ._arrays import check_reducible, leaf_text, structure_text
+from ._arrays import as_axis, check_reducible, gather_axis, structure_text
 from ._errors import ContextError, InvalidArgumentError
 from ._ops import ReduceOp
 from ._options import CommunicationOptions
@@ -158,27 +157,12 @@ class ReplicaContext:
         gathered (add an axis first, e.g. ``x[None]``).
         """
         self._require_current("all_gather")
-        try:
-            axis = operator.index(axis)
-        except TypeError:
-            raise InvalidArgumentError(f"all_gather: axis={axis!r}; expected an int.") from None
+        axis = as_axis(axis, "all_gather")
         options = self._strategy._communication_options.merge(options)
         arrays = self._arrays(value, "all_gather")
         shapes = []
         for array in arrays:
-            if array.ndim == 0:
-                raise InvalidArgumentError(
-                    f"all_gather on replica {self._replica_id}: a rank-0 value "
-                    f"({leaf_text(array)}) has no axis to concatenate along; give it one "
-                    "first, e.g. all_gather(x[None], axis=0)."
-                )
-            if not -array.ndim <= axis < array.ndim:
-                raise InvalidArgumentError(
-                    f"all_gather on replica {self._replica_id}: axis={axis} is out of range "
-                    f"for a value of shape {tuple(array.shape)}; expected "
-                    f"{-array.ndim} <= axis < {array.ndim}."
-                )
-            along = axis % array.ndim
+            along = gather_axis(array, axis, f"all_gather on replica {self._replica_id}")
             shapes.append(tuple(-1 if i == along else n for i, n in enumerate(array.shape)))
         dtypes = [a.dtype.str for a in arrays]
         key = (axis, _nest.skeleton(value), tuple(zip(dtypes, shapes, strict=True)))

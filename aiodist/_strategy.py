@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import _context, _nest
+from ._arrays import as_axis
 from ._backends import backend_for, visible_gpu_count
 from ._cross_device_ops import CrossDeviceOps, ReductionToOneDevice
 from ._devices import Device, parse_device
@@ -313,10 +314,7 @@ class Strategy:
     async def gather(self, value: Any, axis: int) -> Any:
         """Concatenate the components of ``value`` along ``axis`` into a host array."""
         _context.require_cross_replica(self, "gather")
-        try:
-            axis = operator.index(axis)
-        except TypeError:
-            raise InvalidArgumentError(f"gather: axis={axis!r}; expected an int.") from None
+        axis = as_axis(axis, "gather")
         parts = self._host_components(value)
         components = PerReplica(parts, (_HOST,) * len(parts)) if len(parts) > 1 else parts[0]
         return await self.extended._cross_device_ops.gather(components, _HOST, axis)
