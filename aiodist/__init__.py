@@ -27,6 +27,7 @@ from ._errors import (
     RendezvousTimeoutError,
     ReplicaExitedError,
 )
+from ._input import DistributedDataset, InputContext, InputOptions, InputReplicationMode
 from ._ops import ReduceOp
 from ._options import CommunicationImplementation, CommunicationOptions
 from ._replica_context import ReplicaContext
@@ -51,7 +52,11 @@ __all__ = [
     "CrossDeviceOps",
     "Device",
     "DeviceError",
+    "DistributedDataset",
     "DistributedValues",
+    "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
     "InvalidArgumentError",
     "Mirrored",
     "MirroredStrategy",

@@ -1,8 +1,10 @@
 """``python -m aiodist``: data-parallel linear regression on the default devices.
 
-Each replica computes the gradient of the squared error on its shard of every
-global batch, the replicas all-reduce (MEAN) their gradients in an ``async def``
-step, and every replica applies the same update. Prints the devices, the loss
+Global batches come from a generator through
+``strategy.experimental_distribute_dataset``; each replica computes the gradient
+of the squared error on its shard, the replicas all-reduce (MEAN) their
+gradients in an ``async def`` step, and every replica applies the same update;
+``strategy.reduce`` averages the replicas' losses for printing. Prints the devices, the loss
 per step, and the final error against the true weights.
 """
 
@@ -49,24 +51,26 @@ async def train(devices: list[str], steps: int, lr: float, seed: int) -> float:
     true_w = rng.normal(size=FEATURES)
     weights = np.zeros(FEATURES)
 
+    def batches():
+        for _ in range(steps):
+            x = rng.normal(size=(BATCH, FEATURES))
+            yield x, x @ true_w + 0.01 * rng.normal(size=BATCH)
+
     async def step(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple:
         ctx = aiodist.get_replica_context()
         err = x @ w - y
         grad = 2.0 * x.T @ err / max(len(x), 1)
-        loss = float(np.mean(err**2)) if len(x) else 0.0
-        mean_grad, mean_loss = await ctx.all_reduce("mean", [grad, loss])
-        return w - lr * mean_grad, mean_loss
+        mean_grad = await ctx.all_reduce("mean", grad)
+        return w - lr * mean_grad, float(np.mean(err**2)) if len(x) else 0.0
 
-    for i in range(steps):
-        x = rng.normal(size=(BATCH, FEATURES))
-        y = x @ true_w + 0.01 * rng.normal(size=BATCH)
-        shards_x = np.array_split(x, n)
-        shards_y = np.array_split(y, n)
-        xs, ys = (aiodist.PerReplica(shards) for shards in (shards_x, shards_y))
-        result = await strategy.run(step, args=(xs, ys, weights))
-        new_w, loss = (strategy.experimental_local_results(part)[0] for part in result)
-        weights = np.array(new_w)
-        print(f"step {i + 1:3d}  loss {float(loss):.6f}")
+    dataset = strategy.experimental_distribute_dataset(batches())
+    i = 0
+    async for x, y in dataset:
+        new_w, local_loss = await strategy.run(step, args=(x, y, weights))
+        weights = np.array(strategy.experimental_local_results(new_w)[0])
+        loss = await strategy.reduce("mean", local_loss, axis=None)
+        i += 1
+        print(f"step {i:3d}  loss {float(loss):.6f}")
 
     error = float(np.max(np.abs(weights - true_w)))
     print(f"final max |w - w_true| = {error:.6f}")

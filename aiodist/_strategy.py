@@ -21,6 +21,7 @@ from ._backends import backend_for, visible_gpu_count
 from ._cross_device_ops import CrossDeviceOps, ReductionToOneDevice
 from ._devices import Device, parse_device
 from ._errors import ContextError, DeviceError, InvalidArgumentError
+from ._input import DistributedDataset, InputContext, InputOptions, from_function
 from ._ops import ReduceOp
 from ._options import CommunicationOptions
 from ._replica_context import ReplicaContext, _keywords, _positional
@@ -268,6 +269,28 @@ class Strategy:
             finally:
                 slot.backend.deactivate(token)
         return values[0] if n == 1 else PerReplica(values, self._devices)
+
+    def experimental_distribute_dataset(
+        self, dataset: Any, options: InputOptions | None = None
+    ) -> DistributedDataset:
+        """Split each global batch of ``dataset`` across the replicas (see ``_input``).
+
+        ``dataset`` is any iterable or async iterable of arrays or nested
+        structures of arrays sharing a leading batch axis. Iterate the result
+        with ``async for`` (prefetched) or, for sync sources, ``for``.
+        """
+        return DistributedDataset(self, dataset, options)
+
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Any], options: InputOptions | None = None
+    ) -> DistributedDataset:
+        """Per-replica batches built by ``dataset_fn(InputContext)``.
+
+        ``PER_WORKER`` (default): called once, replicas take consecutive elements.
+        ``PER_REPLICA``: called once per replica. When a source runs out first, the
+        replicas it feeds get empty batches until every source is exhausted.
+        """
+        return from_function(self, dataset_fn, options)
 
     def experimental_local_results(self, value: Any) -> tuple:
         """The components of ``value``, one per local replica.

@@ -1,0 +1,473 @@
+"""Distributed input: global batches split across replicas, placed, prefetched.
+
+``strategy.experimental_distribute_dataset(dataset)`` takes any iterable or
+async iterable of *global batches* (an array, or a nested structure of arrays
+sharing a leading batch axis) and yields ``PerReplica`` batches: rows split
+along axis 0, as evenly as possible, earlier replicas taking the extra rows.
+
+``strategy.distribute_datasets_from_function(dataset_fn)`` lets the user build
+the per-replica batches: ``dataset_fn(InputContext)`` is called once
+(``PER_WORKER``: replicas take consecutive elements) or once per replica
+(``PER_REPLICA``).
+
+Prefetching: ``async for`` starts one producer task per iteration that keeps at
+most ``InputOptions.experimental_per_replica_buffer_size`` elements fetched
+ahead of the consumer (a semaphore bounds it, so memory stays bounded). The
+producer holds no reference to the iterator, so leaving an ``async for`` early
+(``break``) drops the iterator, which cancels the producer and closes the
+source; ``aclose()`` or ``async with`` do the same explicitly. Exceptions from
+the user's dataset reach the ``async for`` unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import operator
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from . import _nest
+from ._errors import InvalidArgumentError
+from ._values import regroup
+
+if TYPE_CHECKING:
+    from ._scheduler import ReplicaSlot
+    from ._strategy import Strategy
+
+__all__ = [
+    "DistributedDataset",
+    "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
+    "split_batch",
+]
+
+
+class InputReplicationMode(enum.Enum):
+    """How ``distribute_datasets_from_function`` calls ``dataset_fn``."""
+
+    PER_WORKER = "PER_WORKER"  # once; replicas take consecutive elements
+    PER_REPLICA = "PER_REPLICA"  # once per replica; each iterates its own
+
+
+@dataclasses.dataclass(frozen=True)
+class InputOptions:
+    """Options for distributed datasets.
+
+    Args:
+        experimental_fetch_to_device: place each replica's shard on its device
+            (True), or keep it on the host as NumPy (False).
+        experimental_replication_mode: see ``InputReplicationMode``.
+        experimental_per_replica_buffer_size: how many elements to fetch ahead
+            of the consumer (at least 1).
+    """
+
+    experimental_fetch_to_device: bool = True
+    experimental_replication_mode: InputReplicationMode = InputReplicationMode.PER_WORKER
+    experimental_per_replica_buffer_size: int = 1
+
+    def __post_init__(self) -> None:
+        size = self.experimental_per_replica_buffer_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise InvalidArgumentError(
+                f"experimental_per_replica_buffer_size={size!r}; expected an int >= 1."
+            )
+        if not isinstance(self.experimental_replication_mode, InputReplicationMode):
+            raise InvalidArgumentError(
+                f"experimental_replication_mode={self.experimental_replication_mode!r}; "
+                "expected InputReplicationMode.PER_WORKER or PER_REPLICA."
+            )
+
+
+class InputContext:
+    """What ``dataset_fn`` is told about the input pipeline it builds."""
+
+    __slots__ = ("_input_pipeline_id", "_num_input_pipelines", "_num_replicas_in_sync")
+
+    def __init__(
+        self,
+        num_input_pipelines: int = 1,
+        input_pipeline_id: int = 0,
+        num_replicas_in_sync: int = 1,
+    ):
+        self._num_input_pipelines = num_input_pipelines
+        self._input_pipeline_id = input_pipeline_id
+        self._num_replicas_in_sync = num_replicas_in_sync
+
+    @property
+    def num_input_pipelines(self) -> int:
+        return self._num_input_pipelines
+
+    @property
+    def input_pipeline_id(self) -> int:
+        return self._input_pipeline_id
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._num_replicas_in_sync
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """``global_batch_size`` divided by the replica count; ``ValueError`` if uneven."""
+        try:
+            size = operator.index(global_batch_size)
+        except TypeError:
+            raise InvalidArgumentError(
+                f"global_batch_size={global_batch_size!r}; expected an int."
+            ) from None
+        if size % self._num_replicas_in_sync:
+            raise InvalidArgumentError(
+                f"global_batch_size={size} is not divisible by num_replicas_in_sync="
+                f"{self._num_replicas_in_sync}; pick a multiple of "
+                f"{self._num_replicas_in_sync}."
+            )
+        return size // self._num_replicas_in_sync
+
+    def __repr__(self) -> str:
+        return (
+            f"InputContext(num_input_pipelines={self._num_input_pipelines}, "
+            f"input_pipeline_id={self._input_pipeline_id}, "
+            f"num_replicas_in_sync={self._num_replicas_in_sync})"
+        )
+
+
+# -- splitting -----------------------------------------------------------------------
+
+
+def _leaf_arrays(element: object, where: str) -> list:
+    import numpy as np
+
+    arrays = []
+    for leaf in _nest.flatten(element):
+        array = leaf if hasattr(leaf, "shape") and hasattr(leaf, "dtype") else np.asarray(leaf)
+        if array.ndim == 0:
+            raise InvalidArgumentError(
+                f"{where}: a rank-0 value ({leaf!r}) has no batch axis; every leaf of a "
+                "global batch must be an array whose axis 0 is the batch."
+            )
+        arrays.append(array)
+    return arrays
+
+
+def split_batch(element: object, num_replicas: int) -> list:
+    """One structure per replica, each leaf's rows split as evenly as possible.
+
+    Earlier replicas take the extra rows; a replica gets zero rows when the
+    batch has fewer rows than there are replicas.
+    """
+    arrays = _leaf_arrays(element, "experimental_distribute_dataset")
+    if not arrays:
+        raise InvalidArgumentError(
+            f"experimental_distribute_dataset: element {element!r} holds no arrays."
+        )
+    sizes = [a.shape[0] for a in arrays]
+    if len(set(sizes)) > 1:
+        raise InvalidArgumentError(
+            f"experimental_distribute_dataset: the leaves of one element have different "
+            f"batch sizes {sizes}; every leaf's axis 0 must be the same global batch."
+        )
+    base, extra = divmod(sizes[0], num_replicas)
+    bounds = [0]
+    for replica in range(num_replicas):
+        bounds.append(bounds[-1] + base + (1 if replica < extra else 0))
+    return [
+        _nest.pack_as(element, [a[bounds[r] : bounds[r + 1]] for a in arrays])
+        for r in range(num_replicas)
+    ]
+
+
+def _empty_like(structure: object) -> object:
+    return _nest.map_structure(lambda a: a[:0], structure)
+
+
+# -- sources -------------------------------------------------------------------------
+
+
+class _Source:
+    """A sync or async iterable, read one element at a time from the loop."""
+
+    def __init__(self, iterable: Any, where: str):
+        if hasattr(iterable, "__aiter__"):
+            self._async: AsyncIterator | None = iterable.__aiter__()
+            self._sync: Iterator | None = None
+        elif hasattr(iterable, "__iter__") and not isinstance(iterable, str | bytes):
+            self._async, self._sync = None, iter(iterable)
+        else:
+            raise InvalidArgumentError(
+                f"{where}: {iterable!r} is not iterable; expected an iterable or async "
+                "iterable of batches (a list, a generator, an async generator, ...)."
+            )
+
+    @property
+    def is_async(self) -> bool:
+        return self._async is not None
+
+    async def next(self) -> tuple[bool, Any]:
+        """(True, element), or (False, None) when exhausted."""
+        try:
+            if self._async is not None:
+                return True, await self._async.__anext__()
+            assert self._sync is not None
+            return True, next(self._sync)
+        except (StopIteration, StopAsyncIteration):
+            return False, None
+
+    async def aclose(self) -> None:
+        closer = getattr(self._async if self._async is not None else self._sync, "aclose", None)
+        if closer is not None:
+            await closer()
+        elif self._sync is not None and hasattr(self._sync, "close"):
+            self._sync.close()
+
+
+# -- the pipeline --------------------------------------------------------------------
+
+
+class _Pipeline:
+    """The producer side of one iteration: fetch, split, place, bounded prefetch.
+
+    Holds no reference to the iterator that consumes it, so dropping the
+    iterator can cancel this pipeline.
+    """
+
+    def __init__(self, fetch: Callable[[], Any], close: Callable[[], Any], depth: int):
+        self._fetch = fetch  # async () -> (more, element)
+        self._close = close  # async () -> None
+        self._free = asyncio.Semaphore(depth)
+        self._ready: deque = deque()
+        self._wakeup: asyncio.Future | None = None
+        self.task = asyncio.get_running_loop().create_task(self._produce())
+
+    async def _produce(self) -> None:
+        try:
+            while True:
+                await self._free.acquire()
+                try:
+                    more, element = await self._fetch()
+                except Exception as exc:
+                    self._push(("error", exc))
+                    return
+                if not more:
+                    self._push(("end", None))
+                    return
+                self._push(("item", element))
+        finally:
+            await self._close()
+
+    def _push(self, entry: tuple) -> None:
+        self._ready.append(entry)
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
+
+    async def get(self) -> Any:
+        while not self._ready:
+            self._wakeup = asyncio.get_running_loop().create_future()
+            await self._wakeup
+        kind, value = self._ready.popleft()
+        if kind == "item":
+            self._free.release()
+            return value
+        self._ready.appendleft((kind, value))  # stay exhausted / failed
+        if kind == "error":
+            raise value
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        if not self.task.done():
+            self.task.cancel()
+
+
+class DistributedIterator:
+    """One pass over a distributed dataset (``async for`` or ``for``)."""
+
+    def __init__(self, dataset: DistributedDataset):
+        self._dataset = dataset
+        self._pipeline: _Pipeline | None = None
+        self._sync_source: _Source | None = None
+
+    # async iteration, prefetched
+    def __aiter__(self) -> DistributedIterator:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._pipeline is None:
+            dataset = self._dataset  # the pipeline must not reference this iterator
+            source = dataset._open()
+            self._pipeline = _Pipeline(
+                lambda: dataset._next(source),
+                source.aclose,
+                dataset._options.experimental_per_replica_buffer_size,
+            )
+        return await self._pipeline.get()
+
+    async def aclose(self) -> None:
+        """Stop prefetching and close the source; waits until the producer is done."""
+        if self._pipeline is not None:
+            self._pipeline.cancel()
+            await asyncio.gather(self._pipeline.task, return_exceptions=True)
+
+    async def __aenter__(self) -> DistributedIterator:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.cancel()
+
+    # plain iteration, on demand
+    def __iter__(self) -> DistributedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._sync_source is None:
+            source = self._dataset._open()
+            if source.is_async:
+                raise InvalidArgumentError(
+                    f"{self._dataset._where}: the dataset is an async iterable, so iterate it "
+                    "with `async for`, not a plain `for`."
+                )
+            self._sync_source = source
+        return self._dataset._next_sync(self._sync_source)
+
+
+class DistributedDataset:
+    """What ``experimental_distribute_dataset`` and ``distribute_datasets_from_function``
+    return: iterate it with ``async for`` (prefetched) or ``for`` (sync sources)."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        source_iterable: Any,
+        options: InputOptions | None,
+        *,
+        per_replica_sources: bool = False,
+        where: str = "experimental_distribute_dataset",
+    ):
+        if options is None:
+            options = InputOptions()
+        elif not isinstance(options, InputOptions):
+            raise InvalidArgumentError(
+                f"options={options!r}; expected aiodist.InputOptions or None."
+            )
+        self._strategy = strategy
+        self._options = options
+        self._where = where
+        self._source_iterable = source_iterable
+        self._per_replica_sources = per_replica_sources  # from_function: see _open
+        self._slots: Sequence[ReplicaSlot] = strategy._slots
+        if not per_replica_sources:
+            _Source(source_iterable, where)  # validate now: fail at the call, not later
+
+    def __repr__(self) -> str:
+        return f"<DistributedDataset over {self._source_iterable!r}>"
+
+    def __aiter__(self) -> DistributedIterator:
+        return DistributedIterator(self)
+
+    def __iter__(self) -> DistributedIterator:
+        return DistributedIterator(self)
+
+    # -- reading ---------------------------------------------------------------------
+
+    def _open(self) -> Any:
+        if self._per_replica_sources:
+            return _Sources([_Source(it, self._where) for it in self._source_iterable])
+        return _Source(self._source_iterable, self._where)
+
+    async def _next(self, source: Any) -> tuple[bool, Any]:
+        if isinstance(source, _Sources):
+            more, shards = await source.next_shards(len(self._slots))
+        else:
+            more, element = await source.next()
+            shards = split_batch(element, len(self._slots)) if more else None
+        return (True, self._place(shards)) if more else (False, None)
+
+    def _next_sync(self, source: Any) -> Any:
+        coro = self._next(source)
+        try:
+            coro.send(None)
+        except StopIteration as done:
+            more, value = done.value
+        else:  # only async sources suspend, and those were refused above
+            coro.close()
+            raise InvalidArgumentError(f"{self._where}: this dataset needs `async for`.")
+        if not more:
+            raise StopIteration
+        return value
+
+    def _place(self, shards: list) -> Any:
+        if self._options.experimental_fetch_to_device:
+            shards = [
+                _nest.map_structure(lambda a, s=slot: s.backend.asarray(a, s.device), shard)
+                for slot, shard in zip(self._slots, shards, strict=True)
+            ]
+        devices = tuple(slot.device for slot in self._slots)
+        if len(shards) == 1:
+            return shards[0]
+        return regroup(shards, devices, what="yielded")
+
+
+class _Sources:
+    """Input from ``dataset_fn``: one shared source (PER_WORKER) or one per replica."""
+
+    def __init__(self, sources: list[_Source]):
+        self._sources = sources
+
+    @property
+    def is_async(self) -> bool:
+        return any(source.is_async for source in self._sources)
+
+    async def next_shards(self, num_replicas: int) -> tuple[bool, list | None]:
+        if len(self._sources) == 1:  # PER_WORKER: replicas take consecutive elements
+            shards = []
+            for _ in range(num_replicas):
+                more, element = await self._sources[0].next()
+                if not more:
+                    break
+                shards.append(element)
+        else:  # PER_REPLICA: one element from each replica's own source
+            shards = []
+            for source in self._sources:
+                more, element = await source.next()
+                shards.append(element if more else None)
+            if all(shard is None for shard in shards):
+                shards = []
+        if not shards:
+            return False, None
+        template = next(s for s in shards if s is not None)
+        _leaf_arrays(template, "distribute_datasets_from_function")
+        shards = [s if s is not None else _empty_like(template) for s in shards]
+        shards += [_empty_like(template)] * (num_replicas - len(shards))
+        return True, shards
+
+    async def aclose(self) -> None:
+        for source in self._sources:
+            await source.aclose()
+
+
+def from_function(
+    strategy: Strategy, dataset_fn: Callable[[InputContext], Any], options: InputOptions | None
+) -> DistributedDataset:
+    """``strategy.distribute_datasets_from_function``."""
+    if not callable(dataset_fn):
+        raise InvalidArgumentError(
+            f"distribute_datasets_from_function: dataset_fn={dataset_fn!r} is not callable; "
+            "expected a function taking an InputContext and returning an iterable."
+        )
+    options = options or InputOptions()
+    n = strategy.num_replicas_in_sync
+    if options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
+        iterables = [dataset_fn(InputContext(n, r, n)) for r in range(n)]
+    else:
+        iterables = [dataset_fn(InputContext(1, 0, n))]
+    where = "distribute_datasets_from_function"
+    for iterable in iterables:
+        _Source(iterable, where)  # validate at the call
+    dataset = DistributedDataset(
+        strategy, iterables, options, per_replica_sources=True, where=where
+    )
+    return dataset

@@ -1,0 +1,253 @@
+"""Distributed input (SPEC §8): splitting, placement, prefetch, cleanup, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import numpy as np
+import pytest
+
+import aiodist
+from tests.conftest import cpu_devices, wait_until
+
+Batch = collections.namedtuple("Batch", "x y")
+
+
+def shards(strategy, value) -> list:
+    return list(strategy.experimental_local_results(value))
+
+
+def producer_tasks() -> list[asyncio.Task]:
+    return [
+        t
+        for t in asyncio.all_tasks()
+        if t is not asyncio.current_task() and "_produce" in repr(t.get_coro())
+    ]
+
+
+@pytest.mark.parametrize(
+    ("rows", "expected"),
+    [
+        (8, {1: [8], 2: [4, 4], 4: [2, 2, 2, 2]}),
+        (7, {1: [7], 2: [4, 3], 4: [2, 2, 2, 1]}),
+        (3, {1: [3], 2: [2, 1], 4: [1, 1, 1, 0]}),
+        (1, {1: [1], 2: [1, 0], 4: [1, 0, 0, 0]}),
+    ],
+    ids=["divisible", "uneven", "fewer-than-replicas", "one-row"],
+)
+async def test_split_rules(strategy, num_replicas, rows, expected):
+    batch = np.arange(rows * 2).reshape(rows, 2)
+    seen = [b async for b in strategy.experimental_distribute_dataset([batch])]
+    assert len(seen) == 1
+    parts = shards(strategy, seen[0])
+    assert [len(p) for p in parts] == expected[num_replicas]
+    np.testing.assert_array_equal(np.concatenate(parts), batch)  # nothing lost, in order
+    if num_replicas > 1:
+        assert isinstance(seen[0], aiodist.PerReplica)
+        assert seen[0].devices == tuple(f"/device:CPU:{i}" for i in range(num_replicas))
+
+
+async def test_nested_structures_keep_their_shape(two):
+    def source():
+        for i in range(2):
+            yield {"img": np.full((4, 3), i), "pair": Batch(np.arange(4), [np.ones((4, 1))])}
+
+    batches = [b async for b in two.experimental_distribute_dataset(source())]
+    assert len(batches) == 2
+    first = batches[0]
+    assert isinstance(first["pair"], Batch) and isinstance(first["pair"].y, list)
+    np.testing.assert_array_equal(shards(two, first["pair"].x)[1], [2, 3])
+    assert [s.shape for s in shards(two, first["img"])] == [(2, 3), (2, 3)]
+    np.testing.assert_array_equal(shards(two, batches[1]["img"])[0], np.ones((2, 3)))
+
+
+async def test_sync_iteration_and_list_sources(strategy, num_replicas):
+    data = [np.arange(4) + 10 * i for i in range(3)]
+    dataset = strategy.experimental_distribute_dataset(data)
+    sync = [np.concatenate(shards(strategy, b)) for b in dataset]
+    again = [np.concatenate(shards(strategy, b)) async for b in dataset]  # a list re-iterates
+    for got in (sync, again):
+        assert len(got) == 3
+        for g, d in zip(got, data, strict=True):
+            np.testing.assert_array_equal(g, d)
+
+
+async def test_async_generator_source_and_plain_for_refused(two):
+    async def source():
+        for i in range(3):
+            await asyncio.sleep(0)
+            yield np.full(2, i)
+
+    dataset = two.experimental_distribute_dataset(source())
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"async iterable.*`async for`"):
+        iter(dataset).__next__()
+    values = [tuple(int(s[0]) for s in shards(two, b)) async for b in dataset]
+    assert values == [(0, 0), (1, 1), (2, 2)]
+
+
+async def test_dataset_feeds_run_and_reduce(strategy, num_replicas):
+    """The training-loop shape: async for batch -> run -> reduce."""
+    data = [np.arange(6, dtype=np.float64) + 6 * i for i in range(4)]
+
+    async def step(x):
+        return await aiodist.get_replica_context().all_reduce("sum", np.sum(x))
+
+    total = 0.0
+    async for batch in strategy.experimental_distribute_dataset(data):
+        result = await strategy.run(step, args=(batch,))
+        total += float(await strategy.reduce("mean", result, axis=None))
+    assert total == float(np.sum(data))
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+async def test_prefetch_depth_is_honoured(two, depth):
+    consumed = []
+
+    def source():
+        for i in range(10):
+            consumed.append(i)
+            yield np.full(2, i)
+
+    options = aiodist.InputOptions(experimental_per_replica_buffer_size=depth)
+    iterator = aiter(two.experimental_distribute_dataset(source(), options=options))
+    received = 0
+    for _ in range(4):
+        await anext(iterator)
+        received += 1
+        # give the producer every chance to run ahead
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert len(consumed) == min(10, received + depth)
+    await iterator.aclose()
+
+
+async def test_break_stops_prefetching_and_closes_the_source(two):
+    closed = []
+
+    async def source():
+        try:
+            for i in range(1000):
+                yield np.full(2, i)
+        finally:
+            closed.append(True)
+
+    async for _ in two.experimental_distribute_dataset(source()):
+        break
+    await wait_until(lambda: not producer_tasks() and closed, "producer gone, source closed")
+
+
+async def test_aclose_and_context_manager(two):
+    def source():
+        yield from (np.full(2, i) for i in range(100))
+
+    async with aiter(two.experimental_distribute_dataset(source())) as iterator:
+        await anext(iterator)
+        assert producer_tasks()
+    assert not producer_tasks()
+
+
+async def test_dataset_exception_propagates_unchanged(two):
+    boom = OSError("disk gone")
+
+    def source():
+        yield np.arange(2)
+        raise boom
+
+    received = []
+    with pytest.raises(OSError) as info:
+        async for batch in two.experimental_distribute_dataset(source()):
+            received.append(batch)
+    assert info.value is boom
+    assert len(received) == 1
+    await wait_until(lambda: not producer_tasks(), "producer finished")
+
+
+@pytest.mark.parametrize(
+    ("element", "message"),
+    [
+        (np.float32(1.0), r"rank-0 value"),
+        ({"a": np.ones(3), "b": np.ones(4)}, r"different batch sizes \[3, 4\]"),
+        ([], r"holds no arrays"),
+    ],
+)
+async def test_bad_elements(two, element, message):
+    with pytest.raises(ValueError, match=message):
+        async for _ in two.experimental_distribute_dataset([element]):
+            pass
+
+
+def test_non_iterables_and_bad_options(two):
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"42 is not iterable"):
+        two.experimental_distribute_dataset(42)
+    with pytest.raises(ValueError, match=r"options=3"):
+        two.experimental_distribute_dataset([], options=3)
+    with pytest.raises(ValueError, match=r"experimental_per_replica_buffer_size=0"):
+        aiodist.InputOptions(experimental_per_replica_buffer_size=0)
+
+
+async def test_fetch_to_device_false_keeps_host_arrays(two):
+    options = aiodist.InputOptions(experimental_fetch_to_device=False)
+    batch = np.arange(4)
+    async for b in two.experimental_distribute_dataset([batch], options=options):
+        assert all(isinstance(s, np.ndarray) for s in shards(two, b))
+
+
+# -- distribute_datasets_from_function ------------------------------------------------
+
+
+async def test_from_function_per_worker_takes_consecutive_elements(num_replicas):
+    strategy = aiodist.MirroredStrategy(cpu_devices(num_replicas))
+    contexts = []
+
+    def dataset_fn(ctx):
+        contexts.append(ctx)
+        return [np.full(2, i) for i in range(2 * num_replicas + 1)]
+
+    dataset = strategy.distribute_datasets_from_function(dataset_fn)
+    batches = [[int(s[0]) if s.size else None for s in shards(strategy, b)] async for b in dataset]
+    assert len(contexts) == 1
+    assert (contexts[0].num_input_pipelines, contexts[0].input_pipeline_id) == (1, 0)
+    assert contexts[0].num_replicas_in_sync == num_replicas
+    n = num_replicas
+    assert batches[0] == list(range(n)) and batches[1] == list(range(n, 2 * n))
+    # The last element alone: the other replicas get empty batches, nothing is dropped.
+    assert batches[2] == [2 * n] + [None] * (n - 1)
+
+
+async def test_from_function_per_replica(three):
+    contexts = []
+
+    def dataset_fn(ctx):
+        contexts.append(ctx)
+        rid = ctx.input_pipeline_id
+        return (
+            np.full((ctx.get_per_replica_batch_size(6), 1), rid * 10 + i) for i in range(rid + 1)
+        )
+
+    options = aiodist.InputOptions(
+        experimental_replication_mode=aiodist.InputReplicationMode.PER_REPLICA
+    )
+    dataset = three.distribute_datasets_from_function(dataset_fn, options)
+    seen = [[s.shape[0] for s in shards(three, b)] for b in dataset]
+    assert [(c.num_input_pipelines, c.input_pipeline_id) for c in contexts] == [
+        (3, 0),
+        (3, 1),
+        (3, 2),
+    ]
+    assert seen == [[2, 2, 2], [0, 2, 2], [0, 0, 2]]
+
+
+def test_input_context_batch_size():
+    ctx = aiodist.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=4)
+    assert ctx.get_per_replica_batch_size(64) == 16
+    with pytest.raises(ValueError, match=r"global_batch_size=10 is not divisible by .*=4"):
+        ctx.get_per_replica_batch_size(10)
+    assert "num_replicas_in_sync=4" in repr(ctx)
+
+
+def test_from_function_bad_arguments(two):
+    with pytest.raises(ValueError, match=r"dataset_fn=3 is not callable"):
+        two.distribute_datasets_from_function(3)
+    with pytest.raises(ValueError, match=r"is not iterable"):
+        two.distribute_datasets_from_function(lambda ctx: 5)
