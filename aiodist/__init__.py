@@ -7,6 +7,7 @@ on NumPy (CPU devices) or CuPy/NCCL (GPU devices). See ``docs/concepts.md``.
 This module only re-exports; the implementation lives in private modules.
 """
 
+from ._checkpoint import restore_variables, save_variables
 from ._context import (
     experimental_set_strategy,
     get_cross_replica_context,
@@ -40,6 +41,14 @@ from ._strategy import (
     ValueContext,
 )
 from ._values import DistributedValues, Mirrored, PerReplica
+from ._variables import (
+    MirroredVariable,
+    SyncOnReadVariable,
+    Variable,
+    VariableAggregation,
+    VariableCopy,
+    VariableSynchronization,
+)
 
 __version__ = "0.1.0"
 
@@ -60,6 +69,7 @@ __all__ = [
     "InvalidArgumentError",
     "Mirrored",
     "MirroredStrategy",
+    "MirroredVariable",
     "OneDeviceStrategy",
     "PerReplica",
     "ReduceOp",
@@ -70,7 +80,12 @@ __all__ = [
     "ReplicaExitedError",
     "Strategy",
     "StrategyExtended",
+    "SyncOnReadVariable",
     "ValueContext",
+    "Variable",
+    "VariableAggregation",
+    "VariableCopy",
+    "VariableSynchronization",
     "canonical_device",
     "experimental_set_strategy",
     "get_cross_replica_context",
@@ -78,5 +93,7 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "restore_variables",
     "run",
+    "save_variables",
 ]

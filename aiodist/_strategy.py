@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _context, _nest
+from . import _context, _nest, _variables
 from ._arrays import as_axis
 from ._backends import backend_for, visible_gpu_count
 from ._cross_device_ops import CrossDeviceOps, ReductionToOneDevice
@@ -157,6 +157,22 @@ class StrategyExtended:
         """Copy ``value`` to every device of ``destinations``."""
         _context.require_cross_replica(self._strategy, "broadcast_to")
         return await self._cross_device_ops.broadcast(value, destinations)
+
+    async def update(
+        self,
+        var: Any,
+        fn: Callable,
+        args: Sequence = (),
+        kwargs: dict | None = None,
+        group: bool = True,
+    ) -> Any:
+        """Call ``fn(copy, *args, **kwargs)`` once per copy of ``var``, on its device.
+
+        ``Mirrored`` arguments are unwrapped per copy. Returns a ``Mirrored`` of
+        the results (a tuple with ``group=False``).
+        """
+        _context.require_cross_replica(self._strategy, "update")
+        return await _variables.update(var, fn, args, kwargs, group)
 
     async def call_for_each_replica(
         self, fn: Callable, args: Sequence = (), kwargs: dict | None = None

@@ -1,0 +1,122 @@
+"""Checkpoints: variables saved to one ``.npz`` file and restored into any strategy.
+
+A checkpoint stores one array per variable name: the value a reader sees in
+cross-replica context (the primary copy of a mirrored variable, the aggregate of
+a sync-on-read one). So it restores into a strategy with any number of replicas
+or devices. Saving writes a temporary file beside the target, flushes it to disk
+and renames it over the target: a crash mid-save leaves the previous checkpoint
+(or none), never a truncated one. Restoring checks every name, shape and dtype
+before it changes anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from . import _context
+from ._errors import ContextError, InvalidArgumentError
+from ._variables import Variable
+
+__all__ = ["restore_variables", "save_variables"]
+
+
+def _by_name(variables: Mapping[str, Variable] | Sequence[Variable], where: str) -> dict:
+    if isinstance(variables, Mapping):
+        named = dict(variables)
+    elif isinstance(variables, Sequence) and not isinstance(variables, str | bytes):
+        named = {}
+        for variable in variables:
+            if not isinstance(variable, Variable):
+                break
+            if variable.name in named:
+                raise InvalidArgumentError(
+                    f"{where}: two variables are named {variable.name!r}; give each a "
+                    "unique name= (or pass a dict {name: variable})."
+                )
+            named[variable.name] = variable
+    else:
+        named = None
+    if not named or not all(isinstance(v, Variable) for v in named.values()):
+        raise InvalidArgumentError(
+            f"{where}: variables={variables!r}; expected a non-empty dict "
+            "{name: aiodist.Variable} or a list of uniquely named aiodist.Variable."
+        )
+    return named
+
+
+def _require_outside_replicas(where: str) -> None:
+    if _context.current_state().replica is not None:
+        raise ContextError(
+            f"{where}() was called inside a replica function; call it in cross-replica "
+            "context (outside strategy.run, or in a merge_fn)."
+        )
+
+
+def _atomic_write(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            np.savez(file, **arrays)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+async def save_variables(
+    path: str | os.PathLike, variables: Mapping[str, Variable] | Sequence[Variable]
+) -> Path:
+    """Save ``variables`` to ``path`` (an ``.npz`` file), atomically. Returns the path."""
+    _require_outside_replicas("save_variables")
+    named = _by_name(variables, "save_variables")
+    snapshot = {name: np.array(v._saved_value(), copy=True) for name, v in named.items()}
+    target = Path(path)
+    await asyncio.to_thread(_atomic_write, target, snapshot)
+    return target
+
+
+def _load(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as data:
+        return {name: data[name] for name in data.files}
+
+
+async def restore_variables(
+    path: str | os.PathLike, variables: Mapping[str, Variable] | Sequence[Variable]
+) -> None:
+    """Restore ``variables`` from ``path``; every variable must be in the file with its
+    shape and dtype, or nothing changes. Names in the file and not asked for are ignored."""
+    _require_outside_replicas("restore_variables")
+    named = _by_name(variables, "restore_variables")
+    try:
+        stored = await asyncio.to_thread(_load, Path(path))
+    except FileNotFoundError:
+        raise InvalidArgumentError(f"restore_variables: no checkpoint at {str(path)!r}.") from None
+    problems = []
+    for name, variable in named.items():
+        if name not in stored:
+            problems.append(f"{name!r} is not in the checkpoint")
+        elif stored[name].shape != variable.shape or stored[name].dtype != variable.dtype:
+            problems.append(
+                f"{name!r} is {stored[name].dtype}{list(stored[name].shape)} in the checkpoint "
+                f"but {variable.dtype}{list(variable.shape)} here"
+            )
+    if problems:
+        raise InvalidArgumentError(
+            f"restore_variables from {str(path)!r}: {'; '.join(problems)}. Nothing was "
+            f"restored. The checkpoint holds: {', '.join(sorted(stored)) or 'nothing'}."
+        )
+    for name, variable in named.items():
+        variable._restore(stored[name])

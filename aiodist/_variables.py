@@ -1,0 +1,521 @@
+"""Distributed variables: mirrored and sync-on-read, with awaitable aggregated updates.
+
+``aiodist.Variable(initial_value, ...)`` gives
+
+- outside any scope: a plain variable with one copy on ``/device:CPU:0``;
+- in ``strategy.scope()``: a ``MirroredVariable`` with one copy per replica,
+  all initialised identically, or with ``synchronization=ON_READ`` a
+  ``SyncOnReadVariable`` (each replica updates its own copy; reading in
+  cross-replica context aggregates them).
+
+Reading resolves by context: inside a replica function of the variable's
+strategy, the replica's own copy; elsewhere (cross-replica context) the primary
+copy of a mirrored variable, or the aggregate of a sync-on-read variable.
+
+Writing is a coroutine. In a replica function, ``await v.assign_add(x)`` on a
+mirrored variable is a rendezvous (a ``merge_call``): every replica's ``x`` is
+aggregated by ``v.aggregation`` and the same update is applied to every copy,
+so the copies never drift; ``aggregation=NONE`` there raises ``ValueError``, as
+TensorFlow documents. In cross-replica context the one value given is written
+to every copy.
+
+Copies are immutable arrays: an update replaces them, so a value read earlier
+never changes under the reader, and an update is applied between two awaits,
+never half-way (concurrent runs do not lose updates).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _context
+from ._backends import backend_for
+from ._devices import Device
+from ._errors import ContextError, InvalidArgumentError
+from ._ops import ReduceOp
+from ._values import DistributedValues, Mirrored
+
+__all__ = [
+    "MirroredVariable",
+    "SyncOnReadVariable",
+    "Variable",
+    "VariableAggregation",
+    "VariableCopy",
+    "VariableSynchronization",
+]
+
+_HOST = Device("CPU", 0)
+
+
+class VariableAggregation(enum.Enum):
+    """How per-replica updates (or sync-on-read copies) are combined."""
+
+    NONE = "NONE"
+    SUM = "SUM"
+    MEAN = "MEAN"
+    ONLY_FIRST_REPLICA = "ONLY_FIRST_REPLICA"
+
+
+class VariableSynchronization(enum.Enum):
+    """When copies are synchronised: on write (mirrored) or on read."""
+
+    AUTO = "AUTO"
+    NONE = "NONE"
+    ON_WRITE = "ON_WRITE"
+    ON_READ = "ON_READ"
+
+
+def _enum(kind: type[enum.Enum], value: Any, name: str) -> Any:
+    if isinstance(value, kind):
+        return value
+    if isinstance(value, str) and value.upper() in kind.__members__:
+        return kind[value.upper()]
+    raise InvalidArgumentError(
+        f"{name}={value!r}; expected one of {', '.join(kind.__members__)} "
+        f"(aiodist.{kind.__name__})."
+    )
+
+
+def _frozen(array: Any) -> Any:
+    if isinstance(array, np.ndarray):
+        array.flags.writeable = False
+    return array
+
+
+def _update_value(kind: str, old: Any, value: Any, where: str) -> Any:
+    """The new copy for ``assign``/``assign_add``/``assign_sub`` of ``value`` onto ``old``."""
+    xp = np if isinstance(old, np.ndarray) else __import__("cupy")
+    value = xp.asarray(value)
+    if kind == "assign_add":
+        value = old + value
+    elif kind == "assign_sub":
+        value = old - value
+    if value.shape != old.shape:
+        try:
+            value = xp.broadcast_to(value, old.shape)
+        except ValueError:
+            raise InvalidArgumentError(
+                f"{where}: a value of shape {tuple(value.shape)} cannot be written to a "
+                f"variable of shape {tuple(old.shape)}; expected that shape or one that "
+                "broadcasts to it."
+            ) from None
+    if not np.can_cast(value.dtype, old.dtype, casting="same_kind"):
+        raise InvalidArgumentError(
+            f"{where}: a value of dtype {value.dtype} cannot be written to a variable of "
+            f"dtype {old.dtype}; cast it first."
+        )
+    return _frozen(value.astype(old.dtype, copy=True))
+
+
+class VariableCopy:
+    """One copy of a distributed variable, as ``extended.update`` hands it to ``fn``.
+
+    Reads as its array (``np.asarray(copy)``, ``copy.value()``); its ``assign``,
+    ``assign_add`` and ``assign_sub`` change this copy only, right away.
+    """
+
+    __slots__ = ("_index", "_variable")
+
+    def __init__(self, variable: Variable, index: int):
+        self._variable = variable
+        self._index = index
+
+    @property
+    def device(self) -> str:
+        return str(self._variable._devices[self._index])
+
+    def value(self) -> Any:
+        return self._variable._values[self._index]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return np.array(_host(self.value()), dtype=dtype, copy=True)
+
+    def _write(self, kind: str, value: Any) -> VariableCopy:
+        variable = self._variable
+        device = variable._devices[self._index]
+        value = backend_for(device).asarray(value, device)
+        where = f"{variable._name}.{kind} (copy on {device})"
+        variable._values[self._index] = _update_value(kind, self.value(), value, where)
+        return self
+
+    def assign(self, value: Any) -> VariableCopy:
+        return self._write("assign", value)
+
+    def assign_add(self, value: Any) -> VariableCopy:
+        return self._write("assign_add", value)
+
+    def assign_sub(self, value: Any) -> VariableCopy:
+        return self._write("assign_sub", value)
+
+    def __repr__(self) -> str:
+        return f"<VariableCopy {self._variable._name!r} on {self.device}: {self.value()!r}>"
+
+
+def _host(array: Any) -> np.ndarray:
+    return array.get() if type(array).__module__.startswith("cupy") else np.asarray(array)
+
+
+class Variable:
+    """A variable: plain outside any scope, distributed inside ``strategy.scope()``.
+
+    Args:
+        initial_value: an array, scalar or nested list of numbers (or a
+            zero-argument callable returning one).
+        aggregation: how replicas' updates combine (``VariableAggregation``).
+        synchronization: ``ON_READ`` makes a ``SyncOnReadVariable``; anything
+            else a ``MirroredVariable`` (inside a scope).
+        name: used in messages and as the checkpoint key (default ``"Variable"``).
+        dtype: the dtype to store (default: that of ``initial_value``).
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Variable:
+        if cls is Variable:
+            state = _context.current_state()
+            if state.replica is not None:
+                raise ContextError(
+                    "aiodist.Variable() was called inside a replica function; create "
+                    "variables in cross-replica context, under `with strategy.scope():`, "
+                    "and pass them to strategy.run."
+                )
+            if state.strategy is not None:
+                sync = _enum(
+                    VariableSynchronization,
+                    kwargs.get("synchronization", VariableSynchronization.AUTO),
+                    "synchronization",
+                )
+                cls = (
+                    SyncOnReadVariable
+                    if sync is VariableSynchronization.ON_READ
+                    else MirroredVariable
+                )
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        initial_value: Any,
+        *,
+        aggregation: VariableAggregation | str = VariableAggregation.NONE,
+        synchronization: VariableSynchronization | str = VariableSynchronization.AUTO,
+        name: str | None = None,
+        dtype: Any = None,
+    ):
+        self._aggregation = _enum(VariableAggregation, aggregation, "aggregation")
+        self._synchronization = _enum(VariableSynchronization, synchronization, "synchronization")
+        self._name = "Variable" if name is None else str(name)
+        if callable(initial_value):
+            initial_value = initial_value()
+        if isinstance(initial_value, DistributedValues | Variable):
+            raise InvalidArgumentError(
+                f"{self._name}: initial_value is a {type(initial_value).__name__}; expected "
+                "one array or scalar (read a component first)."
+            )
+        try:
+            host = np.array(_host(initial_value), dtype=dtype)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(
+                f"{self._name}: initial_value={initial_value!r} is not an array of numbers ({exc})."
+            ) from None
+        if host.dtype.kind not in "biufc":
+            raise InvalidArgumentError(
+                f"{self._name}: initial_value has dtype {host.dtype}; expected numbers."
+            )
+        strategy = None if type(self) is Variable else _context.current_state().strategy
+        if type(self) is not Variable and strategy is None:
+            raise ContextError(
+                f"{type(self).__name__} {self._name!r} was created outside any strategy "
+                "scope; create it as aiodist.Variable(...) under `with strategy.scope():`."
+            )
+        self._strategy = strategy
+        self._devices: tuple[Device, ...] = (
+            (_HOST,) if strategy is None else tuple(s.device for s in strategy._slots)
+        )
+        self._values = [_frozen(backend_for(d).asarray(host.copy(), d)) for d in self._devices]
+
+    # -- identity -------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def aggregation(self) -> VariableAggregation:
+        return self._aggregation
+
+    @property
+    def synchronization(self) -> VariableSynchronization:
+        return self._synchronization
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._values[0].shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._values[0].dtype
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Canonical names of the copies' devices, in replica order."""
+        return tuple(str(d) for d in self._devices)
+
+    def __repr__(self) -> str:
+        if len(self._values) == 1:
+            return f"<{type(self).__name__} {self._name!r} {self._values[0]!r}>"
+        body = ",\n".join(f"  {i}: {v!r}" for i, v in enumerate(self._values))
+        return f"{type(self).__name__} {self._name!r}:{{\n{body}\n}}"
+
+    # hooks used by strategies (experimental_local_results, destinations)
+    @property
+    def _aiodist_devices(self) -> tuple[Device, ...]:
+        return self._devices
+
+    def _aiodist_local_results(self) -> tuple:
+        return tuple(self._values)
+
+    # -- reading ----------------------------------------------------------------------
+
+    def _replica_index(self) -> int | None:
+        """This replica's copy index inside a replica function of our strategy, else None."""
+        replica = _context.current_state().replica
+        if replica is None or self._strategy is None or replica.strategy is not self._strategy:
+            return None
+        return replica.replica_id_in_sync_group
+
+    def read_value(self) -> Any:
+        """The value in this context: the replica's copy, or (cross-replica) the
+        primary copy / the aggregate. Arrays are read-only snapshots."""
+        index = self._replica_index()
+        return self._values[0 if index is None else index]
+
+    value = read_value
+
+    def numpy(self) -> np.ndarray:
+        """A host (NumPy) copy of ``read_value()``."""
+        return np.array(_host(self.read_value()), copy=True)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        value = _host(self.read_value())
+        return np.array(value, dtype=dtype, copy=True) if copy else np.asarray(value, dtype=dtype)
+
+    def __float__(self) -> float:
+        return float(self.read_value())
+
+    def __int__(self) -> int:
+        return int(self.read_value())
+
+    def __len__(self) -> int:
+        return len(self.read_value())
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.read_value()[index]
+
+    def __neg__(self) -> Any:
+        return -self.read_value()
+
+    def __add__(self, other: Any) -> Any:
+        return self.read_value() + other
+
+    def __radd__(self, other: Any) -> Any:
+        return other + self.read_value()
+
+    def __sub__(self, other: Any) -> Any:
+        return self.read_value() - other
+
+    def __rsub__(self, other: Any) -> Any:
+        return other - self.read_value()
+
+    def __mul__(self, other: Any) -> Any:
+        return self.read_value() * other
+
+    def __rmul__(self, other: Any) -> Any:
+        return other * self.read_value()
+
+    def __truediv__(self, other: Any) -> Any:
+        return self.read_value() / other
+
+    def __rtruediv__(self, other: Any) -> Any:
+        return other / self.read_value()
+
+    def __matmul__(self, other: Any) -> Any:
+        return self.read_value() @ other
+
+    def __rmatmul__(self, other: Any) -> Any:
+        return other @ self.read_value()
+
+    __array_priority__ = 100  # ndarray op variable defers to the reflected methods
+
+    # -- writing ----------------------------------------------------------------------
+
+    async def assign(self, value: Any) -> Variable:
+        """Set the value (see the module docs for how replicas combine)."""
+        return await self._write("assign", value)
+
+    async def assign_add(self, value: Any) -> Variable:
+        """Add to the value (see the module docs for how replicas combine)."""
+        return await self._write("assign_add", value)
+
+    async def assign_sub(self, value: Any) -> Variable:
+        """Subtract from the value (see the module docs for how replicas combine)."""
+        return await self._write("assign_sub", value)
+
+    async def _write(self, kind: str, value: Any) -> Variable:
+        self._write_every_copy(kind, value)
+        return self
+
+    def _write_every_copy(self, kind: str, value: Any) -> None:
+        new = []
+        for device, old in zip(self._devices, self._values, strict=True):
+            placed = backend_for(device).asarray(_host(value), device)
+            new.append(_update_value(kind, old, placed, f"{self._name}.{kind}"))
+        self._values[:] = new  # all copies change together, or none does
+
+    def _saved_value(self) -> np.ndarray:
+        """What a checkpoint stores: the value read in cross-replica context."""
+        return _host(self._values[0])
+
+    def _restore(self, value: np.ndarray) -> None:
+        self._write_every_copy("assign", value)
+
+    def _copies(self) -> list[VariableCopy]:
+        return [VariableCopy(self, i) for i in range(len(self._values))]
+
+
+class MirroredVariable(Variable):
+    """One copy per replica, kept equal: updates in replica context aggregate."""
+
+    async def _write(self, kind: str, value: Any) -> Variable:
+        index = self._replica_index()
+        if index is None:
+            self._write_every_copy(kind, value)
+            return self
+        if self._aggregation is VariableAggregation.NONE:
+            raise InvalidArgumentError(
+                f"{self._name}.{kind}() in replica context needs an aggregation: this "
+                "mirrored variable was created with aggregation=NONE, so replicas' values "
+                "cannot be combined and its copies would drift apart. Create it with "
+                "aggregation='SUM', 'MEAN' or 'ONLY_FIRST_REPLICA'."
+            )
+
+        def merge_fn(strategy: Any, per_replica: Any) -> None:
+            parts = list(strategy.experimental_local_results(per_replica))
+            if len(parts) == 1:  # the same object on every replica
+                parts *= strategy.num_replicas_in_sync
+            self._write_every_copy(kind, self._aggregate(parts))
+
+        merge_fn.__qualname__ = f"{self._name}.{kind}"
+        await _context.get_replica_context().merge_call(merge_fn, args=(value,))
+        return self
+
+    def _aggregate(self, parts: Sequence[Any]) -> Any:
+        if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+            return _host(parts[0])
+        op = ReduceOp.SUM if self._aggregation is VariableAggregation.SUM else ReduceOp.MEAN
+        ops = self._strategy.extended._cross_device_ops
+        arrays = [np.asarray(_host(p)) for p in parts]
+        return _host(ops._reduce_arrays(op, arrays, _HOST))
+
+
+class SyncOnReadVariable(Variable):
+    """One copy per replica, each updated locally; reads in cross-replica context
+    aggregate them (SUM, MEAN or ONLY_FIRST_REPLICA)."""
+
+    def read_value(self) -> Any:
+        index = self._replica_index()
+        if index is not None:
+            return self._values[index]
+        if self._aggregation is VariableAggregation.NONE:
+            raise InvalidArgumentError(
+                f"{self._name}: a sync-on-read variable with aggregation=NONE cannot be "
+                "read in cross-replica context (its copies differ and there is no rule to "
+                "combine them); read it inside a replica function, or create it with an "
+                "aggregation."
+            )
+        return self._aggregate_copies()
+
+    def _aggregate_copies(self) -> Any:
+        if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+            return self._values[0]
+        op = ReduceOp.SUM if self._aggregation is VariableAggregation.SUM else ReduceOp.MEAN
+        ops = self._strategy.extended._cross_device_ops
+        return _frozen(ops._reduce_arrays(op, self._values, self._devices[0]))
+
+    value = read_value
+
+    def _saved_value(self) -> np.ndarray:
+        if self._aggregation is VariableAggregation.NONE:
+            return _host(self._values[0])  # TF's rule: the first copy
+        return _host(self._aggregate_copies())
+
+    def _restore(self, value: np.ndarray) -> None:
+        if self._aggregation is not VariableAggregation.SUM:
+            self._write_every_copy("assign", value)
+            return
+        # Exact for every dtype: the first copy holds the value, the others zero,
+        # so the SUM read gives back exactly what was saved.
+        new = []
+        for i, (device, old) in enumerate(zip(self._devices, self._values, strict=True)):
+            part = value if i == 0 else np.zeros_like(value)
+            placed = backend_for(device).asarray(part, device)
+            new.append(_update_value("assign", old, placed, f"{self._name}.restore"))
+        self._values[:] = new
+
+    async def _write(self, kind: str, value: Any) -> Variable:
+        index = self._replica_index()
+        if index is not None:
+            VariableCopy(self, index)._write(kind, value)
+            return self
+        n = len(self._values)
+        if self._aggregation is VariableAggregation.SUM:
+            if kind != "assign":
+                raise InvalidArgumentError(
+                    f"{self._name}.{kind}() in cross-replica context is not supported for a "
+                    "sync-on-read variable with aggregation=SUM (which copy would it "
+                    "change?); use assign(), or update copies in replica context."
+                )
+            value = np.asarray(_host(value)) / n  # so that the SUM read gives `value`
+        self._write_every_copy(kind, value)
+        return self
+
+
+async def update(
+    variable: Variable,
+    fn: Callable[..., Any],
+    args: Sequence = (),
+    kwargs: dict | None = None,
+    group: bool = True,
+) -> Any:
+    """``strategy.extended.update``: ``fn(copy, *args, **kwargs)`` once per copy.
+
+    ``Mirrored`` arguments are unwrapped to the component of each copy's
+    replica. Runs each call with the copy's device (and stream) current.
+    Returns a ``Mirrored`` of the results, or a tuple with ``group=False``.
+    """
+    from ._values import select_replica
+
+    if not isinstance(variable, Variable):
+        raise InvalidArgumentError(
+            f"update: var={variable!r}; expected an aiodist.Variable made in this strategy's scope."
+        )
+    if not callable(fn):
+        raise InvalidArgumentError(f"update: fn={fn!r} is not callable.")
+    kwargs = kwargs or {}
+    copies = variable._copies()
+    strategy = variable._strategy
+    slots = strategy._slots if strategy is not None else None
+    results = []
+    for i, copy in enumerate(copies):
+        copy_args = select_replica(i, tuple(args), len(copies))
+        copy_kwargs = select_replica(i, kwargs, len(copies))
+        token = slots[i].backend.activate(slots[i].device, slots[i].stream) if slots else None
+        try:
+            results.append(fn(copy, *copy_args, **copy_kwargs))
+        finally:
+            if slots:
+                slots[i].backend.deactivate(token)
+    if not group:
+        return tuple(results)
+    return results[0] if len(results) == 1 else Mirrored(results, variable._devices)
