@@ -2,9 +2,10 @@
 
 Global batches come from a generator through
 ``strategy.experimental_distribute_dataset``; each replica computes the gradient
-of the squared error on its shard, the replicas all-reduce (MEAN) their
-gradients in an ``async def`` step, and every replica applies the same update;
-``strategy.reduce`` averages the replicas' losses for printing. Prints the devices, the loss
+of the squared error on its shard and calls ``await weights.assign_sub(...)`` on
+a mirrored variable, which averages the replicas' gradients (a rendezvous) and
+applies the same update to every copy; ``strategy.reduce`` averages the
+replicas' losses for printing. Prints the devices, the loss
 per step, and the final error against the true weights.
 """
 
@@ -49,30 +50,28 @@ async def train(devices: list[str], steps: int, lr: float, seed: int) -> float:
 
     rng = np.random.default_rng(seed)
     true_w = rng.normal(size=FEATURES)
-    weights = np.zeros(FEATURES)
+    with strategy.scope():  # one copy per replica, kept equal by aggregated updates
+        weights = aiodist.Variable(np.zeros(FEATURES), aggregation="mean", name="weights")
 
     def batches():
         for _ in range(steps):
             x = rng.normal(size=(BATCH, FEATURES))
             yield x, x @ true_w + 0.01 * rng.normal(size=BATCH)
 
-    async def step(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple:
-        ctx = aiodist.get_replica_context()
-        err = x @ w - y
+    async def step(x: np.ndarray, y: np.ndarray) -> float:
+        err = x @ weights.read_value() - y  # this replica's copy
         grad = 2.0 * x.T @ err / max(len(x), 1)
-        mean_grad = await ctx.all_reduce("mean", grad)
-        return w - lr * mean_grad, float(np.mean(err**2)) if len(x) else 0.0
+        await weights.assign_sub(lr * grad)  # all-reduced (MEAN), applied to every copy
+        return float(np.mean(err**2)) if len(x) else 0.0
 
-    dataset = strategy.experimental_distribute_dataset(batches())
     i = 0
-    async for x, y in dataset:
-        new_w, local_loss = await strategy.run(step, args=(x, y, weights))
-        weights = np.array(strategy.experimental_local_results(new_w)[0])
+    async for x, y in strategy.experimental_distribute_dataset(batches()):
+        local_loss = await strategy.run(step, args=(x, y))
         loss = await strategy.reduce("mean", local_loss, axis=None)
         i += 1
         print(f"step {i:3d}  loss {float(loss):.6f}")
 
-    error = float(np.max(np.abs(weights - true_w)))
+    error = float(np.max(np.abs(weights.numpy() - true_w)))
     print(f"final max |w - w_true| = {error:.6f}")
     return error
 

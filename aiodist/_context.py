@@ -162,8 +162,9 @@ def scope_of(strategy: Strategy) -> Iterator[Strategy]:
         _STATE.reset(token)
 
 
-def require_cross_replica(strategy: Strategy, method: str) -> None:
-    """Raise ``ContextError`` unless cross-replica (or default) context of ``strategy``."""
+def require_cross_replica(strategy: Strategy | None, method: str) -> None:
+    """Raise ``ContextError`` unless cross-replica (or default) context of ``strategy``
+    (of any strategy when ``strategy`` is None)."""
     state = _STATE.get()
     if state.replica is not None:
         raise ContextError(
@@ -173,5 +174,5 @@ def require_cross_replica(strategy: Strategy, method: str) -> None:
             f".merge_call(merge_fn)` and call {method}() from merge_fn, or use the "
             "ReplicaContext collectives (all_reduce, all_gather)."
         )
-    if state.strategy is not None and state.strategy is not strategy:
+    if strategy is not None and state.strategy is not None and state.strategy is not strategy:
         raise _mixing(state.strategy, strategy)

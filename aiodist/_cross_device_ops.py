@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _context
 from ._arrays import check_reducible, gather_axis, leaf_text
 from ._backends import backend_for
 from ._devices import Device, parse_device
@@ -173,6 +174,7 @@ class CrossDeviceOps:
         component per destination. A value that is not distributed counts as
         one replica's value.
         """
+        _context.require_cross_replica(None, "CrossDeviceOps.reduce")
         op = ReduceOp.of(reduce_op)
         devices = resolve_destinations(destinations)
         arrays = _components(per_replica_value, "reduce")
@@ -189,6 +191,7 @@ class CrossDeviceOps:
         options: CommunicationOptions | None = None,
     ) -> list:
         """``reduce`` for each ``(value, destinations)`` pair; a list of results."""
+        _context.require_cross_replica(None, "CrossDeviceOps.batch_reduce")
         if isinstance(value_destination_pairs, str | bytes) or not all(
             isinstance(pair, list | tuple) and len(pair) == 2 for pair in value_destination_pairs
         ):
@@ -203,6 +206,7 @@ class CrossDeviceOps:
 
     async def broadcast(self, tensor: Any, destinations: Any) -> Any:
         """Copy ``tensor`` to every device of ``destinations``."""
+        _context.require_cross_replica(None, "CrossDeviceOps.broadcast")
         devices = resolve_destinations(destinations)
         if isinstance(tensor, DistributedValues):
             raise InvalidArgumentError(
@@ -220,6 +224,7 @@ class CrossDeviceOps:
         options: CommunicationOptions | None = None,
     ) -> Any:
         """Concatenate the components of ``per_replica_value`` along ``axis``."""
+        _context.require_cross_replica(None, "CrossDeviceOps.gather")
         devices = resolve_destinations(destinations)
         arrays = _components(per_replica_value, "gather")
         _check_gatherable(arrays, axis, "gather")
@@ -228,11 +233,16 @@ class CrossDeviceOps:
         return self._deliver(backend.xp.concatenate(parts, axis=axis), devices)
 
     def _deliver(self, array: Any, devices: Sequence[Device], copy: bool = False) -> Any:
+        """``array`` on ``devices``: one array, or a ``Mirrored`` of read-only views.
+
+        ``copy``: ``array`` is the caller's, so never hand out its memory.
+        """
+        placed = backend_for(devices[0]).asarray(array, devices[0])
+        if copy and placed is array:
+            placed = placed.copy()
         if len(devices) == 1:
-            backend = backend_for(devices[0])
-            placed = backend.asarray(array, devices[0])
-            return placed.copy() if copy and placed is array else placed
-        return Mirrored(self._broadcast_array(array, devices), devices)
+            return placed
+        return Mirrored(self._broadcast_array(placed, devices), devices)
 
 
 class ReductionToOneDevice(CrossDeviceOps):

@@ -125,6 +125,7 @@ class Rendezvous:
         self._pending: dict[int, _Call] = {}
         self._exited: dict[int, tuple[int, str]] = {}  # replica -> (calls made, how)
         self._closed: RendezvousError | None = None
+        self._delivered: set[int] = set()  # ids of exceptions set on waiting replicas
 
     def __repr__(self) -> str:
         pending = ", ".join(
@@ -183,7 +184,11 @@ class Rendezvous:
     def close(self, reason: str = "the run finished") -> None:
         """Fail every pending call and every later arrival; cancel timers."""
         if self._closed is None:
-            self._closed = RendezvousError(f"the replica group is closed: {reason}.")
+            self._closed = RendezvousError(
+                f"the replica group is closed: {reason}. A collective belongs to the run "
+                "that started it: do not keep a ReplicaContext, or start a collective, "
+                "after that run has returned."
+            )
         for call in list(self._pending.values()):
             if call.failure is None:
                 self._fail(call, self._closed)
@@ -210,6 +215,15 @@ class Rendezvous:
         payloads = [call.arrivals[r][1] for r in range(self.num_replicas)]
         try:
             results = self._execute(call.number, signature, payloads)
+        except asyncio.CancelledError as exc:
+            # Nothing was cancelled: the cross-replica code raised CancelledError itself.
+            failure = RendezvousError(
+                f"{call.label}: the cross-replica code raised CancelledError; raise another "
+                "exception to fail a merge_fn."
+            )
+            failure.__cause__ = exc
+            self._fail(call, failure)
+            return
         except Exception as exc:
             self._fail(call, exc)
             return
@@ -231,8 +245,14 @@ class Rendezvous:
         else:
             self._deliver(call, done.result())
 
+    def delivered(self, exc: BaseException) -> bool:
+        """Whether ``exc`` was raised in replicas through a failed call (so every
+        replica waiting in that call receives it)."""
+        return id(exc) in self._delivered
+
     def _fail(self, call: _Call, exc: BaseException) -> None:
         call.failure = exc
+        self._delivered.add(id(exc))
         if call.timer is not None:
             call.timer.cancel()
             call.timer = None
@@ -250,7 +270,7 @@ class Rendezvous:
             RendezvousTimeoutError(
                 f"{call.label}: timed out after {call.timeout:g} s waiting for "
                 f"{_replicas(missing)}; {_replicas(list(call.arrivals))} arrived. "
-                f"Check that {_replicas(missing)} reach this call ({_ORDER_HINT}), or "
+                f"Check that every missing replica reaches this call ({_ORDER_HINT}), or "
                 "raise CommunicationOptions(timeout_seconds=...) if they are just slow."
             ),
         )

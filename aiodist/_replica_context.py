@@ -114,7 +114,7 @@ class ReplicaContext:
         args = _positional(args, "merge_call")
         kwargs = _keywords(kwargs, "merge_call")
         name = getattr(merge_fn, "__qualname__", type(merge_fn).__name__)
-        signature = Signature("merge_call", None, f"merge_call({name})")
+        signature = Signature("merge_call", _merge_key(merge_fn), f"merge_call({name})")
         options = self._strategy._communication_options
         return self._group.arrive(
             self._replica_id, signature, MergePayload(merge_fn, args, kwargs), options
@@ -198,6 +198,23 @@ class ReplicaContext:
                 )
             arrays.append(slot.backend.asarray(leaf, slot.device))
         return arrays
+
+
+def _merge_key(merge_fn: Callable) -> object:
+    """What must match for two replicas' merge_fns to count as the same call.
+
+    Closures made afresh by each replica share their code, so the code object
+    (and qualified name) is compared, not the function object. aiodist's own
+    merge functions set ``_aiodist_key`` to say exactly what they update.
+    """
+    key = getattr(merge_fn, "_aiodist_key", None)
+    if key is not None:
+        return key
+    function = getattr(merge_fn, "__func__", merge_fn)
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return type(merge_fn)
+    return (code, getattr(function, "__qualname__", ""))
 
 
 def _positional(args: Any, where: str) -> tuple:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _context, _nest
 from ._devices import Device
-from ._errors import ContextError, RendezvousError
+from ._errors import ContextError, ReplicaExitedError
 from ._options import CommunicationOptions
 from ._rendezvous import Rendezvous, Signature
 from ._replica_context import MergePayload, ReplicaContext
@@ -71,6 +71,7 @@ class RunGroup:
         self._aux: set[asyncio.Task] = set()
         self._tasks: list[asyncio.Task] = []
         self._failure: BaseException | None = None
+        self._cancelling = False  # set once this run cancels its replicas
         self._base: contextvars.Context | None = None
 
     def __repr__(self) -> str:
@@ -156,15 +157,23 @@ class RunGroup:
                 if inspect.isawaitable(result):
                     result = await result
         except asyncio.CancelledError:
+            if not self._cancelling and self._failure is None:
+                # Cancelled by something other than this run: it cannot finish.
+                self._failure = ReplicaExitedError(
+                    f"replica {rid} was cancelled by something other than its run (for "
+                    "example asyncio.current_task().cancel() in the replica function), so "
+                    "the run has no result for it; raise an exception to fail a replica."
+                )
+                self._cancel_all()
             self.rendezvous.replica_exited(rid, "was cancelled")
             raise
         except BaseException as exc:
             if self._failure is None:
                 self._failure = exc
-                if isinstance(exc, RendezvousError):
-                    # Every replica waiting in the failed call has its wake-up queued
-                    # already: let each of them raise the error before the rest are
-                    # cancelled, so the error reaches every waiting replica.
+                if self.rendezvous.delivered(exc):
+                    # A failed collective (mismatch, exit, timeout, merge_fn error):
+                    # every replica waiting in it has its wake-up queued already; let
+                    # each raise the error before the rest are cancelled.
                     asyncio.get_running_loop().call_soon(self._cancel_all)
                 else:
                     self._cancel_all()
@@ -174,6 +183,7 @@ class RunGroup:
         return result
 
     def _cancel_all(self) -> None:
+        self._cancelling = True
         current = asyncio.current_task()
         for task in (*self._tasks, *self._aux):
             if task is not current and not task.done():

@@ -181,15 +181,17 @@ class StrategyExtended:
         return await self._strategy.run(fn, args=args, kwargs=kwargs)
 
     def _distributed(self, op: ReduceOp, value: Any) -> Any:
-        """TF's rule for a value that is not distributed: with several replicas it
-        can only be MEAN-reduced (it is everyone's value); SUM would be ambiguous."""
+        """TF's rule for a value that is not distributed: with several replicas it is
+        everyone's value, so MEAN (and MIN, MAX) give it back; SUM and PRODUCT would
+        be ambiguous and raise."""
         n = self._strategy.num_replicas_in_sync
-        if isinstance(value, DistributedValues) or n == 1 or op is not ReduceOp.SUM:
+        ambiguous = op in (ReduceOp.SUM, ReduceOp.PRODUCT)
+        if isinstance(value, DistributedValues) or n == 1 or not ambiguous:
             return value
         raise InvalidArgumentError(
             f"a value that is not distributed ({type(value).__name__}) cannot be reduced "
-            f"with SUM across {n} replicas; pass the PerReplica value from strategy.run, "
-            "or use MEAN."
+            f"with {op.name} across {n} replicas (is it one replica's value, or every "
+            "replica's?); pass the PerReplica value from strategy.run, or use MEAN."
         )
 
 
@@ -336,8 +338,8 @@ class Strategy:
         _context.require_cross_replica(self, "reduce")
         op = ReduceOp.of(reduce_op)
         parts = self._host_components(value)
-        if len(parts) == 1 and self.num_replicas_in_sync > 1 and op is ReduceOp.SUM:
-            self.extended._distributed(op, value)  # raises: a plain value and SUM
+        if len(parts) == 1:
+            self.extended._distributed(op, value)  # raises for SUM/PRODUCT of a plain value
         if axis is not None:
             axes = _normalise_axis(axis, parts)
             if op is ReduceOp.MEAN:

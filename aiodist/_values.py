@@ -19,10 +19,13 @@ leaves that are the very same object on every replica, which stay as they are.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from . import _nest
-from ._devices import Device
 from ._errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from ._devices import Device
 
 __all__ = ["DistributedValues", "Mirrored", "PerReplica", "regroup", "select_replica"]
 

@@ -88,12 +88,12 @@ def _frozen(array: Any) -> Any:
 
 def _update_value(kind: str, old: Any, value: Any, where: str) -> Any:
     """The new copy for ``assign``/``assign_add``/``assign_sub`` of ``value`` onto ``old``."""
-    xp = np if isinstance(old, np.ndarray) else __import__("cupy")
+    xp = __import__("cupy") if type(old).__module__.startswith("cupy") else np
     value = xp.asarray(value)
     if kind == "assign_add":
-        value = old + value
+        value = xp.asarray(old + value)  # ufuncs give scalars for 0-d arrays
     elif kind == "assign_sub":
-        value = old - value
+        value = xp.asarray(old - value)
     if value.shape != old.shape:
         try:
             value = xp.broadcast_to(value, old.shape)
@@ -407,6 +407,7 @@ class MirroredVariable(Variable):
             self._write_every_copy(kind, self._aggregate(parts))
 
         merge_fn.__qualname__ = f"{self._name}.{kind}"
+        merge_fn._aiodist_key = (id(self), kind)  # type: ignore[attr-defined]
         await _context.get_replica_context().merge_call(merge_fn, args=(value,))
         return self
 

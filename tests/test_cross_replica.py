@@ -196,3 +196,34 @@ def test_distributed_values_construction_errors():
         aiodist.PerReplica([])
     with pytest.raises(ValueError, match=r"2 values but 1 devices"):
         aiodist.Mirrored([1, 2], devices=[aiodist.Device("CPU", 0)])
+
+
+async def test_broadcast_never_shares_the_callers_memory(two):
+    source = np.zeros(2)
+    mirrored = await two.extended.broadcast_to(source, ["cpu:0", "cpu:1"])
+    source[:] = 7
+    for v in two.experimental_local_results(mirrored):
+        np.testing.assert_array_equal(v, [0, 0])
+
+
+async def test_product_of_a_plain_value_is_ambiguous(two):
+    with pytest.raises(ValueError, match=r"cannot be reduced with PRODUCT across 2"):
+        await two.reduce("product", np.array(3.0), axis=None)
+    assert float(await two.reduce("max", np.array(3.0), axis=None)) == 3.0
+
+
+async def test_cross_device_ops_refuse_replica_context(two):
+    ops = aiodist.ReductionToOneDevice()
+
+    async def fn():
+        with pytest.raises(aiodist.ContextError, match=r"CrossDeviceOps.reduce\(\) needs"):
+            await ops.reduce("sum", np.ones(1), "cpu:0")
+        with pytest.raises(aiodist.ContextError, match=r"CrossDeviceOps.broadcast\(\)"):
+            await ops.broadcast(np.ones(1), "cpu:0")
+        with pytest.raises(aiodist.ContextError, match=r"CrossDeviceOps.gather\(\)"):
+            await ops.gather(np.ones(1), "cpu:0", axis=0)
+        with pytest.raises(aiodist.ContextError, match=r"CrossDeviceOps.batch_reduce\(\)"):
+            await ops.batch_reduce("sum", [(np.ones(1), "cpu:0")])
+        return True
+
+    assert await two.run(fn) is True

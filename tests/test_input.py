@@ -111,10 +111,8 @@ async def test_prefetch_depth_is_honoured(two, depth):
 
     options = aiodist.InputOptions(experimental_per_replica_buffer_size=depth)
     iterator = aiter(two.experimental_distribute_dataset(source(), options=options))
-    received = 0
-    for _ in range(4):
+    for received in range(1, 5):
         await anext(iterator)
-        received += 1
         # give the producer every chance to run ahead
         for _ in range(20):
             await asyncio.sleep(0)

@@ -202,3 +202,87 @@ def test_every_rendezvous_error_shares_one_base():
     ):
         assert issubclass(cls, aiodist.RendezvousError)
         assert issubclass(cls, aiodist.AiodistError)
+
+
+# -- regressions: failures that once hung or reached only one replica -----------------
+
+
+async def test_sync_merge_fn_raising_cancelled_error_fails_the_run(two):
+    def merge_fn(strategy):
+        future = asyncio.get_running_loop().create_future()
+        future.cancel()
+        return future.result()  # raises CancelledError inside merge_fn
+
+    async def fn():
+        return await aiodist.get_replica_context().merge_call(merge_fn)
+
+    errors, raised = await run_collecting(two, fn)
+    assert "the cross-replica code raised CancelledError" in str(raised)
+    assert sorted(errors) == [0, 1]
+
+
+async def test_merge_fn_exception_reaches_every_replica_uncaught(three):
+    boom = LookupError("merge_fn failed")
+    seen = []
+
+    def merge_fn(strategy):
+        raise boom
+
+    async def fn():
+        try:
+            await aiodist.get_replica_context().merge_call(merge_fn)
+        except LookupError:
+            seen.append(rid())
+            raise
+
+    with pytest.raises(LookupError) as info:
+        await three.run(fn)
+    assert info.value is boom
+    assert sorted(seen) == [0, 1, 2]
+
+
+async def test_different_merge_fns_are_a_mismatch(two):
+    def merge_a(strategy):
+        return "a"
+
+    def merge_b(strategy):
+        return "b"
+
+    async def fn():
+        return await aiodist.get_replica_context().merge_call(merge_a if rid() == 0 else merge_b)
+
+    errors, raised = await run_collecting(two, fn)
+    assert isinstance(raised, aiodist.CollectiveMismatchError)
+    assert sorted(errors) == [0, 1]
+    assert "merge_a" in str(raised) and "merge_b" in str(raised)
+
+
+async def test_per_replica_closures_of_one_merge_fn_match(three):
+    async def fn():
+        offset = rid()
+
+        def merge_fn(strategy, values):  # a new closure object on every replica
+            return sum(strategy.experimental_local_results(values)) + 0 * offset
+
+        return await aiodist.get_replica_context().merge_call(merge_fn, args=(rid() + 10,))
+
+    assert await three.run(fn) == 33
+
+
+async def test_replica_cancelling_itself_fails_the_run_and_cancels_the_others(three):
+    cancelled = []
+
+    async def fn():
+        if rid() == 1:
+            asyncio.current_task().cancel()
+            await asyncio.sleep(0)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(rid())
+            raise
+
+    with pytest.raises(aiodist.ReplicaExitedError, match=r"replica 1 was cancelled by something"):
+        await three.run(fn)
+    assert sorted(cancelled) == [0, 2]
+    assert asyncio.current_task().cancelling() == 0

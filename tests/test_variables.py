@@ -1,0 +1,394 @@
+"""Distributed variables (SPEC §9, and extended.update of §5)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import aiodist
+from tests.conftest import cpu_devices
+
+pytestmark = pytest.mark.timeout(20)
+
+
+def rid() -> int:
+    return aiodist.get_replica_context().replica_id_in_sync_group
+
+
+def copies(strategy, variable) -> list:
+    return [np.asarray(c) for c in strategy.experimental_local_results(variable)]
+
+
+def test_kinds_by_context(strategy, num_replicas):
+    plain = aiodist.Variable([1.0, 2.0])
+    assert type(plain) is aiodist.Variable
+    assert plain.devices == ("/device:CPU:0",)
+    with strategy.scope():
+        mirrored = aiodist.Variable(np.arange(3, dtype=np.float32), name="w")
+        on_read = aiodist.Variable(
+            0, synchronization="ON_READ", aggregation=aiodist.VariableAggregation.SUM
+        )
+    assert isinstance(mirrored, aiodist.MirroredVariable) and isinstance(mirrored, aiodist.Variable)
+    assert isinstance(on_read, aiodist.SyncOnReadVariable)
+    assert mirrored.shape == (3,) and mirrored.dtype == np.float32 and mirrored.name == "w"
+    assert mirrored.devices == tuple(f"/device:CPU:{i}" for i in range(num_replicas))
+    for copy in copies(strategy, mirrored):
+        np.testing.assert_array_equal(copy, [0, 1, 2])
+    np.testing.assert_array_equal(np.asarray(mirrored), [0, 1, 2])
+    np.testing.assert_array_equal(mirrored.numpy(), [0, 1, 2])
+    assert mirrored.aggregation is aiodist.VariableAggregation.NONE
+
+
+async def test_creating_in_replica_context_raises(two):
+    async def fn():
+        aiodist.Variable(1.0)
+
+    with pytest.raises(aiodist.ContextError, match=r"inside a replica function"):
+        await two.run(fn)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match=r"aggregation='median'; expected one of NONE, SUM"):
+        aiodist.Variable(1.0, aggregation="median")
+    with pytest.raises(ValueError, match=r"expected numbers"):
+        aiodist.Variable("text")
+    with pytest.raises(aiodist.ContextError, match=r"outside any strategy scope"):
+        aiodist.MirroredVariable(1.0)
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "expected"),
+    [
+        ("SUM", lambda n: -sum(range(1, n + 1))),
+        ("MEAN", lambda n: -(n + 1) / 2),
+        ("ONLY_FIRST_REPLICA", lambda n: -1),
+    ],
+)
+async def test_mirrored_updates_in_replica_context_aggregate(
+    strategy, num_replicas, aggregation, expected
+):
+    with strategy.scope():
+        v = aiodist.Variable(np.zeros(2), aggregation=aggregation)
+
+    async def step(var):
+        assert np.asarray(var).shape == (2,)  # reads the local copy
+        await var.assign_sub(np.full(2, rid() + 1.0))
+        return var.read_value()
+
+    result = await strategy.run(step, args=(v,))
+    for copy in copies(strategy, v):
+        np.testing.assert_allclose(copy, [expected(num_replicas)] * 2)
+    for read in strategy.experimental_local_results(result):
+        np.testing.assert_allclose(read, [expected(num_replicas)] * 2)
+
+
+async def test_assign_and_assign_add_in_replica_context(three):
+    with three.scope():
+        v = aiodist.Variable(10.0, aggregation="mean")
+
+    async def step(var):
+        await var.assign(float(rid()))  # mean of 0, 1, 2
+        await var.assign_add(3.0)  # the same object on every replica: mean is 3
+        return float(var.read_value())
+
+    assert three.experimental_local_results(await three.run(step, args=(v,))) == (4.0, 4.0, 4.0)
+
+
+async def test_aggregation_none_in_replica_context_raises(two):
+    with two.scope():
+        v = aiodist.Variable(1.0)
+
+    async def step(var):
+        await var.assign(2.0)
+
+    with pytest.raises(ValueError, match=r"needs an aggregation.*aggregation='SUM'"):
+        await two.run(step, args=(v,))
+    assert copies(two, v) == [1.0, 1.0]
+
+
+async def test_cross_replica_writes_every_copy(strategy):
+    with strategy.scope():
+        v = aiodist.Variable(np.ones(2, dtype=np.float32))
+        await v.assign([5, 6])
+    await v.assign_add(1.0)
+    await v.assign_sub(np.array([2.0, 2.0]))
+    for copy in copies(strategy, v):
+        np.testing.assert_array_equal(copy, [4, 5])
+        assert copy.dtype == np.float32
+    with pytest.raises(
+        ValueError, match=r"shape \(3,\) cannot be written to a variable of shape \(2,\)"
+    ):
+        await v.assign(np.ones(3))
+    with pytest.raises(ValueError, match=r"dtype complex128 cannot be written"):
+        await v.assign(np.ones(2) * 1j)
+    for copy in copies(strategy, v):
+        np.testing.assert_array_equal(copy, [4, 5])  # failed writes change nothing
+
+
+async def test_reads_are_snapshots(two):
+    with two.scope():
+        v = aiodist.Variable([1.0])
+    before = v.read_value()
+    await v.assign([2.0])
+    np.testing.assert_array_equal(before, [1.0])
+    np.testing.assert_array_equal(v.read_value(), [2.0])
+    with pytest.raises(ValueError, match="read-only"):
+        v.read_value()[0] = 3.0
+
+
+async def test_sync_on_read(strategy, num_replicas):
+    with strategy.scope():
+        total = aiodist.Variable(0.0, synchronization="on_read", aggregation="sum")
+        mean = aiodist.Variable(0.0, synchronization="ON_READ", aggregation="mean")
+        first = aiodist.Variable(0.0, synchronization="ON_READ", aggregation="only_first_replica")
+        nothing = aiodist.Variable(0.0, synchronization="ON_READ")
+
+    async def step(a, b, c, d):
+        r = rid() + 1.0
+        for var in (a, b, c, d):
+            await var.assign_add(r)  # local, no rendezvous
+        return float(a.read_value())
+
+    local = await strategy.run(step, args=(total, mean, first, nothing))
+    assert strategy.experimental_local_results(local) == tuple(
+        float(i + 1) for i in range(num_replicas)
+    )
+    s = num_replicas * (num_replicas + 1) / 2
+    assert float(total.read_value()) == s
+    assert float(mean.read_value()) == s / num_replicas
+    assert float(first.read_value()) == 1.0
+    with pytest.raises(ValueError, match=r"aggregation=NONE cannot be read in cross-replica"):
+        nothing.read_value()
+
+    await total.assign(12.0)  # cross-replica, SUM: each copy gets 12 / n
+    assert copies(strategy, total) == [12.0 / num_replicas] * num_replicas
+    assert float(total.read_value()) == 12.0
+    with pytest.raises(ValueError, match=r"assign_add\(\) in cross-replica context"):
+        await total.assign_add(1.0)
+    await mean.assign_add(1.0)
+    assert float(mean.read_value()) == s / num_replicas + 1
+
+
+async def test_concurrent_runs_do_not_lose_updates(strategy, num_replicas):
+    with strategy.scope():
+        counter = aiodist.Variable(0, aggregation="sum")
+
+    async def step(var):
+        for _ in range(5):
+            await asyncio.sleep(0)
+            await var.assign_add(1)
+
+    await asyncio.gather(*(strategy.run(step, args=(counter,)) for _ in range(10)))
+    assert copies(strategy, counter) == [10 * 5 * num_replicas] * num_replicas
+
+
+async def test_replica_skipping_an_aggregated_assign_fails_clearly(three):
+    with three.scope():
+        v = aiodist.Variable(0.0, aggregation="sum", name="weights")
+
+    async def step(var):
+        if rid() == 2:
+            return None
+        await var.assign_add(1.0)
+
+    with pytest.raises(aiodist.ReplicaExitedError, match=r"merge_call #0: replica 2 returned"):
+        await three.run(step, args=(v,))
+    assert copies(three, v) == [0.0, 0.0, 0.0]
+
+
+async def test_mismatch_names_the_variable_update(two):
+    with two.scope():
+        v = aiodist.Variable(0.0, aggregation="sum", name="bias")
+
+    async def step(var):
+        if rid() == 0:
+            await var.assign_add(1.0)
+        else:
+            await aiodist.get_replica_context().all_reduce("sum", 1.0)
+
+    with pytest.raises(aiodist.CollectiveMismatchError, match=r"merge_call\(bias.assign_add\)"):
+        await two.run(step, args=(v,))
+
+
+# -- extended.update and the TF docstring examples -------------------------------------
+
+
+async def test_update_per_copy_with_mirrored_args(two):
+    with two.scope():
+        v = aiodist.Variable(np.zeros(2))
+        deltas = aiodist.Mirrored([np.ones(2), np.ones(2)])
+        grouped = await two.extended.update(v, lambda copy, d: copy.assign_add(d), args=(deltas,))
+        plain = await two.extended.update(v, lambda copy: copy.device, group=False)
+    assert isinstance(grouped, aiodist.Mirrored)
+    assert plain == ("/device:CPU:0", "/device:CPU:1")
+    for copy in copies(two, v):
+        np.testing.assert_array_equal(copy, [1, 1])
+    with pytest.raises(ValueError, match=r"update: var=3"):
+        await two.extended.update(3, print)
+
+
+async def _tf_reduce_to_update_example(strategy, batch: bool):
+    """TF's reduce_to / batch_reduce_to docstring: merge_fn reduces, then updates."""
+
+    async def step_fn(var):
+        async def merge_fn(strategy, value, var):
+            if batch:
+                reduced = (await strategy.extended.batch_reduce_to("sum", [(value, var)]))[0]
+            else:
+                reduced = await strategy.extended.reduce_to("sum", value, destinations=var)
+            await strategy.extended.update(
+                var, lambda var, value: var.assign(value), args=(reduced,)
+            )
+
+        value = np.float32(1.0)  # a new object per replica, like tf.identity(1.)
+        await aiodist.get_replica_context().merge_call(merge_fn, args=(value, var))
+
+    with strategy.scope():
+        v = aiodist.Variable(np.float32(0.0))
+    await strategy.run(step_fn, args=(v,))
+    return v
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["reduce_to", "batch_reduce_to"])
+async def test_tf_reduce_to_update_example(batch):
+    mirrored = await _tf_reduce_to_update_example(
+        aiodist.MirroredStrategy(["cpu:0", "cpu:1"]), batch
+    )
+    assert isinstance(mirrored, aiodist.MirroredVariable)
+    assert copies(aiodist.MirroredStrategy(["cpu:0", "cpu:1"]), mirrored) == [2.0, 2.0]
+    one = await _tf_reduce_to_update_example(aiodist.OneDeviceStrategy("cpu:0"), batch)
+    assert float(one.read_value()) == 1.0
+
+
+async def test_variables_as_run_args_and_destinations(two):
+    with two.scope():
+        v = aiodist.Variable(np.arange(2.0))
+
+    async def fn(var):
+        return var * (rid() + 1)
+
+    result = await two.run(fn, args=(v,))
+    np.testing.assert_array_equal(two.experimental_local_results(result)[1], [0.0, 2.0])
+    value = aiodist.PerReplica([np.ones(2), np.ones(2)])
+    mirrored = await two.extended.reduce_to("sum", value, destinations=v)
+    assert mirrored.devices == v.devices
+
+
+# -- checkpoints ---------------------------------------------------------------------
+
+
+async def test_checkpoint_round_trip_across_replica_counts(tmp_path):
+    four = aiodist.MirroredStrategy(cpu_devices(4))
+    with four.scope():
+        w = aiodist.Variable(np.arange(6, dtype=np.float32).reshape(2, 3), name="w")
+        steps = aiodist.Variable(np.int64(7), name="steps")
+        seen = aiodist.Variable(0, synchronization="ON_READ", aggregation="sum", name="seen")
+        await w.assign(w.read_value() * 1.5)
+
+    async def count(var):
+        await var.assign_add(rid() + 1)
+
+    await four.run(count, args=(seen,))  # 1+2+3+4 = 10 over 4 copies
+    path = await aiodist.save_variables(tmp_path / "ckpt.npz", [w, steps, seen])
+    assert path.exists()
+
+    two = aiodist.MirroredStrategy(cpu_devices(2))
+    with two.scope():
+        w2 = aiodist.Variable(np.zeros((2, 3), dtype=np.float32), name="w")
+        steps2 = aiodist.Variable(np.int64(0), name="steps")
+        seen2 = aiodist.Variable(0, synchronization="ON_READ", aggregation="sum", name="seen")
+    await aiodist.restore_variables(path, {"w": w2, "steps": steps2, "seen": seen2})
+    for copy in copies(two, w2):
+        np.testing.assert_array_equal(copy, np.arange(6).reshape(2, 3) * 1.5)
+    assert copies(two, steps2) == [7, 7]
+    assert int(seen2.read_value()) == 10  # exact, even for an int SUM over 2 copies
+
+    plain = aiodist.Variable(np.zeros((2, 3), dtype=np.float32), name="w")
+    await aiodist.restore_variables(path, [plain])
+    np.testing.assert_array_equal(plain.numpy(), np.arange(6).reshape(2, 3) * 1.5)
+
+
+async def test_restore_mismatch_changes_nothing(tmp_path):
+    a = aiodist.Variable(np.ones(3), name="a")
+    b = aiodist.Variable(np.ones(2), name="b")
+    path = await aiodist.save_variables(tmp_path / "c.npz", {"a": a, "b": b})
+    target_a = aiodist.Variable(np.zeros(3), name="a")
+    wrong_shape = aiodist.Variable(np.zeros(4), name="b")
+    with pytest.raises(
+        ValueError, match=r"'b' is float64\[2\] in the checkpoint but float64\[4\] here"
+    ):
+        await aiodist.restore_variables(path, [target_a, wrong_shape])
+    np.testing.assert_array_equal(target_a.numpy(), [0, 0, 0])  # nothing restored
+    wrong_dtype = aiodist.Variable(np.zeros(2, dtype=np.float32), name="b")
+    with pytest.raises(ValueError, match=r"float32\[2\] here"):
+        await aiodist.restore_variables(path, [wrong_dtype])
+    missing = aiodist.Variable(np.zeros(3), name="c")
+    with pytest.raises(ValueError, match=r"'c' is not in the checkpoint.*holds: a, b"):
+        await aiodist.restore_variables(path, [missing])
+    with pytest.raises(ValueError, match=r"no checkpoint at"):
+        await aiodist.restore_variables(tmp_path / "none.npz", [missing])
+    with pytest.raises(ValueError, match=r"two variables are named 'a'"):
+        await aiodist.save_variables(tmp_path / "d.npz", [a, aiodist.Variable(1.0, name="a")])
+
+
+async def test_save_is_atomic_under_a_killed_writer(tmp_path):
+    """A writer killed mid-save leaves the previous checkpoint intact at the path."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "model.npz"
+    await aiodist.save_variables(path, [aiodist.Variable(np.arange(4.0), name="w")])
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, numpy as np, aiodist;"
+            "v = aiodist.Variable(np.ones(60_000_000), name='w');"
+            "print('ready', flush=True);"
+            f"aiodist.run(aiodist.save_variables({str(path)!r}, [v]))",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert writer.stdout.readline().strip() == "ready"
+        for _ in range(2000):  # until the temporary file exists and is growing
+            temporary = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+            if temporary and temporary[0].stat().st_size > 1_000_000:
+                break
+            await asyncio.sleep(0.005)
+        else:
+            pytest.fail("the writer never started writing its temporary file")
+        writer.kill()
+    finally:
+        writer.kill()
+        writer.wait(timeout=30)
+        writer.stdout.close()
+    restored = aiodist.Variable(np.zeros(4), name="w")
+    await aiodist.restore_variables(path, [restored])
+    np.testing.assert_array_equal(restored.numpy(), [0, 1, 2, 3])
+
+
+async def test_checkpoints_refused_inside_replicas(two, tmp_path):
+    v = aiodist.Variable(1.0)
+
+    async def fn():
+        await aiodist.save_variables(tmp_path / "x.npz", [v])
+
+    with pytest.raises(aiodist.ContextError, match=r"inside a replica function"):
+        await two.run(fn)
+
+
+async def test_updating_different_variables_is_a_mismatch(two):
+    with two.scope():
+        v = aiodist.Variable(0.0, aggregation="sum", name="x")
+        w = aiodist.Variable(0.0, aggregation="sum", name="x")  # same name, other variable
+
+    async def step():
+        await (v if rid() == 0 else w).assign_add(1.0)
+
+    with pytest.raises(aiodist.CollectiveMismatchError):
+        await two.run(step)
+    assert copies(two, v) == [0.0, 0.0] and copies(two, w) == [0.0, 0.0]
