@@ -7,6 +7,7 @@ repository root, so the docs cannot rot.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -49,3 +50,31 @@ def test_doc_example(code, expected):
     assert done.stderr == ""
     if expected is not None:
         assert done.stdout == expected
+
+
+README_EXAMPLES = [
+    pytest.param(m.group(1), id=f"README.md:{n}")
+    for n, m in enumerate(
+        re.finditer(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    )
+]
+
+
+@pytest.mark.parametrize("code", README_EXAMPLES)
+def test_readme_example(code, tmp_path):
+    """README examples run (in a scratch directory: they may write files) and print
+    the values their comments promise."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-"],
+        input=code,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    for line in code.splitlines():
+        if line.lstrip().startswith("print(") and "  # " in line:
+            assert line.split("  # ", 1)[1].strip() in done.stdout
