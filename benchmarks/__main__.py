@@ -1,0 +1,230 @@
+"""``python -m benchmarks``: aiodist against its floors, NumPy and TensorFlow, in one run.
+
+Prints one table (medians of several repeats) for N = 2, 4, 8 CPU replicas on
+the asyncio and uvloop loops, and writes the figures as JSON. When TensorFlow is
+importable (``pip install 'aiodist[bench-tf]'``, or ``--tf-python`` naming an
+interpreter that has it), the same workloads run on ``tf.distribute`` in one
+subprocess per N (logical devices are fixed per process) and the table shows
+how many times faster aiodist is.
+
+    python -m benchmarks --quick          # under a minute on 2 cores
+    python -m benchmarks --json out.json  # full run, figures saved
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import workloads as w
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (key, label, unit) — key matches benchmarks/tf_workloads.py
+ROWS = [
+    ("a_run_constant", "(a) run, constant", "step"),
+    ("b_all_reduce_scalar", "(b) all_reduce scalar", "step"),
+    ("c_merge_call_reduce", "(c) merge_call+reduce", "step"),
+    ("d_all_reduce_1MiB", "(d) all_reduce 1 MiB", "step"),
+    ("d_all_reduce_16MiB", "(d) all_reduce 16 MiB", "step"),
+    ("d_all_reduce_64MiB", "(d) all_reduce 64 MiB", "step"),
+    ("e_batched_100x1KiB", "(e) 100 x 1 KiB batched", "step"),
+    ("f_concurrent_64", "(f) 64 concurrent (b)", "run"),
+]
+
+
+def _loops() -> dict:
+    loops = {"asyncio": asyncio.new_event_loop}
+    try:
+        import uvloop
+    except ImportError:
+        print("uvloop is not installed: measuring asyncio only", file=sys.stderr)
+    else:
+        loops["uvloop"] = uvloop.new_event_loop
+    return loops
+
+
+def _steps(quick: bool) -> dict:
+    scale = 0.15 if quick else 1.0
+
+    def s(n: int) -> int:
+        return max(2, int(n * scale))
+
+    return {"abc": s(3000), "d": {1: s(60), 16: s(12), 64: s(6)}, "e": s(600), "f": s(1280)}
+
+
+async def _measure_all(n: int, steps: dict) -> dict:
+    d = steps["d"]
+    return {
+        "a_run_constant": await w.measure_a(n, steps["abc"]),
+        "floor_a": await w.floor_a(n, steps["abc"]),
+        "b_all_reduce_scalar": await w.measure_b(n, steps["abc"]),
+        "c_merge_call_reduce": await w.measure_c(n, steps["abc"]),
+        "floor_bc": await w.floor_bc(n, steps["abc"]),
+        "d_all_reduce_1MiB": await w.measure_d(n, 1, d[1]),
+        "d_all_reduce_16MiB": await w.measure_d(n, 16, d[16]),
+        "d_all_reduce_64MiB": await w.measure_d(n, 64, d[64]),
+        "e_batched_100x1KiB": await w.measure_e(n, steps["e"]),
+        "f_concurrent_64": await w.measure_f(n, steps["f"]),
+    }
+
+
+def _median_runs(loop_factory, n: int, steps: dict, repeats: int) -> dict:
+    runs = []
+    for _ in range(repeats):
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runs.append(runner.run(_measure_all(n, steps)))
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
+def _numpy_baselines(n: int, steps: dict, repeats: int) -> dict:
+    return {
+        f"numpy_{mib}MiB": statistics.median(
+            w.numpy_reduce_d(n, mib, steps["d"][mib]) for _ in range(repeats)
+        )
+        for mib in (1, 16, 64)
+    }
+
+
+def _tensorflow(python: str | None, n: int, quick: bool) -> dict | None:
+    if python is None:
+        return None
+    command = [python, "-m", "benchmarks.tf_workloads", "--replicas", str(n)]
+    if quick:
+        command.append("--quick")
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        print(f"TensorFlow benchmark failed for N={n}:\n{done.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _tf_python(option: str | None) -> str | None:
+    if option:
+        return option
+    if importlib.util.find_spec("tensorflow") is not None:
+        return sys.executable
+    return None
+
+
+def _fmt_time(seconds: float) -> str:
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:8.2f} ms"
+    return f"{seconds * 1e6:8.1f} us"
+
+
+def _table(report: dict) -> str:
+    loops = report["loops"]
+    best = "uvloop" if "uvloop" in loops else "asyncio"
+    header = (
+        f"{'workload':26} {'N':>2} "
+        + " ".join(f"{'aiodist ' + name:>16}" for name in loops)
+        + f" {'baseline':>12} {'x baseline':>10} {'TF eager':>11} {'TF function':>11}"
+        + f" {'vs TF fn':>9}"
+    )
+    lines = [header, "-" * len(header)]
+    for n_key, per_n in report["results"].items():
+        n = int(n_key)
+        tf = (report["tensorflow"].get(n_key) or {}).get("results", {})
+        for key, label, _unit in ROWS:
+            times = [per_n[name][key] for name in loops]
+            ours = per_n[best][key]
+            baseline, ratio = "", ""
+            if key.startswith("a_"):
+                base = per_n[best]["floor_a"]
+            elif key[:2] in ("b_", "c_"):
+                base = per_n[best]["floor_bc"]
+            elif key.startswith("d_"):
+                mib = int(key.split("_")[-1].removesuffix("MiB"))
+                base = per_n["numpy"][f"numpy_{mib}MiB"]
+            else:
+                base = None
+            if base is not None:
+                baseline, ratio = _fmt_time(base), f"{ours / base:9.2f}x"
+            eager = tf.get(key, {}).get("eager")
+            function = tf.get(key, {}).get("function")
+            reference = function if function is not None else eager
+            speedup = f"{reference / ours:8.1f}x" if reference else ""
+            lines.append(
+                f"{label:26} {n:>2} "
+                + " ".join(f"{_fmt_time(t):>16}" for t in times)
+                + f" {baseline:>12} {ratio:>10}"
+                + f" {_fmt_time(eager) if eager else '':>11}"
+                + f" {_fmt_time(function) if function else '':>11} {speedup:>9}"
+            )
+            if key.startswith("d_"):
+                mib = int(key.split("_")[-1].removesuffix("MiB"))
+                gbps = n * mib * w.MIB / ours / 1e9
+                lines[-1] += f"   {gbps:5.1f} GB/s in"
+        lines.append("")
+    lines.append(
+        "baseline: (a) N bare tasks; (b)(c) N bare tasks meeting at one future; "
+        "(d) single-threaded np.add.reduce over the N arrays. 'x baseline' and "
+        f"'vs TF fn' use the {best} column; 'vs TF fn' = TF tf.function time (eager "
+        "where no tf.function figure) / aiodist time: above 1x, aiodist is faster."
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer steps; under a minute")
+    parser.add_argument("--replicas", default="2,4,8", help="comma-separated N (default 2,4,8)")
+    parser.add_argument("--repeats", type=int, default=None, help="repeats (median; default 5/3)")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    parser.add_argument("--tf-python", default=None, help="a Python with TensorFlow installed")
+    parser.add_argument("--no-tf", action="store_true", help="skip the TensorFlow comparison")
+    args = parser.parse_args(argv)
+
+    replicas = [int(n) for n in args.replicas.split(",")]
+    repeats = args.repeats or (3 if args.quick else 5)
+    steps = _steps(args.quick)
+    loops = _loops()
+    tf_python = None if args.no_tf else _tf_python(args.tf_python)
+    if tf_python is None and not args.no_tf:
+        print(
+            "TensorFlow is not installed: no TF comparison "
+            "(pip install 'aiodist[bench-tf]' or pass --tf-python)",
+            file=sys.stderr,
+        )
+
+    started = time.perf_counter()
+    report: dict = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+        "python": platform.python_version(),
+        "aiodist": __import__("aiodist").__version__,
+        "quick": args.quick,
+        "loops": list(loops),
+        "results": {},
+        "tensorflow": {},
+    }
+    for n in replicas:
+        per_n = {name: _median_runs(factory, n, steps, repeats) for name, factory in loops.items()}
+        per_n["numpy"] = _numpy_baselines(n, steps, repeats)
+        report["results"][str(n)] = per_n
+        report["tensorflow"][str(n)] = _tensorflow(tf_python, n, args.quick)
+    report["seconds"] = round(time.perf_counter() - started, 1)
+
+    print(f"aiodist {report['aiodist']} benchmarks, {report['date']}, {report['machine']}")
+    print(f"Python {report['python']}; median of {repeats} repeats; {report['seconds']} s\n")
+    print(_table(report))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"\nfigures written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

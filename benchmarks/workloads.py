@@ -1,0 +1,172 @@
+"""aiodist workloads and the same-run baselines they are judged against.
+
+Each ``measure_*`` coroutine runs one workload for ``steps`` steps on the running
+loop and returns seconds per step. Workloads (issue 6):
+
+(a) ``strategy.run`` of a function returning a constant: scheduling cost;
+(b) one ``all_reduce(SUM, scalar)`` per step;
+(c) one ``merge_call`` whose merge_fn awaits ``strategy.reduce(SUM, v, axis=None)``;
+(d) ``all_reduce(SUM, x)`` of 1/16/64 MiB float32 per replica;
+(e) one batched ``all_reduce`` of 100 float32 tensors of 1 KiB;
+(f) 64 concurrent ``strategy.run`` calls each doing (b): seconds per run.
+
+Baselines measured in the same process:
+
+- floor (a): N bare tasks created and awaited, nothing else;
+- floor (b)/(c): N bare tasks meeting at one plain future, the last arrival
+  adding the N NumPy scalars;
+- NumPy (d): ``np.add.reduce`` over the N stacked arrays (one thread): the
+  memory-bandwidth limit for a design that shares one result buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+
+import aiodist
+
+MIB = 1 << 20
+
+
+def strategy_for(n: int) -> aiodist.MirroredStrategy:
+    return aiodist.MirroredStrategy([f"cpu:{i}" for i in range(n)])
+
+
+async def _timed(step, steps: int) -> float:
+    for _ in range(max(1, steps // 10)):  # warm-up
+        await step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        await step()
+    return (time.perf_counter() - start) / steps
+
+
+# -- (a) ---------------------------------------------------------------------------
+
+
+async def measure_a(n: int, steps: int) -> float:
+    strategy = strategy_for(n)
+
+    def constant():
+        return 1.0
+
+    return await _timed(lambda: strategy.run(constant), steps)
+
+
+async def floor_a(n: int, steps: int) -> float:
+    loop = asyncio.get_running_loop()
+
+    async def constant():
+        return 1.0
+
+    async def step():
+        tasks = [loop.create_task(constant()) for _ in range(n)]
+        for task in tasks:
+            await task
+
+    return await _timed(step, steps)
+
+
+# -- (b), (c) ------------------------------------------------------------------------
+
+
+async def measure_b(n: int, steps: int) -> float:
+    strategy = strategy_for(n)
+    one = np.float32(1.0)
+
+    async def fn():
+        return await aiodist.get_replica_context().all_reduce("sum", one)
+
+    return await _timed(lambda: strategy.run(fn), steps)
+
+
+async def measure_c(n: int, steps: int) -> float:
+    strategy = strategy_for(n)
+    one = np.float32(1.0)
+
+    async def merge_fn(strategy, value):
+        return await strategy.reduce("sum", value, axis=None)
+
+    async def fn():
+        return await aiodist.get_replica_context().merge_call(merge_fn, args=(one + 0,))
+
+    return await _timed(lambda: strategy.run(fn), steps)
+
+
+async def floor_bc(n: int, steps: int) -> float:
+    """N bare tasks meet at one future; the last arrival reduces the N scalars."""
+    loop = asyncio.get_running_loop()
+    one = np.float32(1.0)
+
+    async def step():
+        arrived: list = []
+        meeting = loop.create_future()
+
+        async def replica():
+            arrived.append(one)
+            if len(arrived) == n:
+                meeting.set_result(np.add.reduce(arrived))
+            return await meeting
+
+        tasks = [loop.create_task(replica()) for _ in range(n)]
+        for task in tasks:
+            await task
+
+    return await _timed(step, steps)
+
+
+# -- (d) -----------------------------------------------------------------------------
+
+
+async def measure_d(n: int, mib: int, steps: int) -> float:
+    strategy = strategy_for(n)
+    count = mib * MIB // 4
+    inputs = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.full(count, ctx.replica_id_in_sync_group, dtype=np.float32)
+    )
+
+    async def fn(x):
+        return await aiodist.get_replica_context().all_reduce("sum", x)
+
+    return await _timed(lambda: strategy.run(fn, args=(inputs,)), steps)
+
+
+def numpy_reduce_d(n: int, mib: int, steps: int) -> float:
+    count = mib * MIB // 4
+    stacked = np.stack([np.full(count, i, dtype=np.float32) for i in range(n)])
+    np.add.reduce(stacked, axis=0)
+    start = time.perf_counter()
+    for _ in range(steps):
+        np.add.reduce(stacked, axis=0)
+    return (time.perf_counter() - start) / steps
+
+
+# -- (e), (f) ------------------------------------------------------------------------
+
+
+async def measure_e(n: int, steps: int) -> float:
+    strategy = strategy_for(n)
+    values = [np.ones(256, dtype=np.float32) for _ in range(100)]
+
+    async def fn():
+        return await aiodist.get_replica_context().all_reduce("sum", values)
+
+    return await _timed(lambda: strategy.run(fn), steps)
+
+
+async def measure_f(n: int, steps: int, concurrent: int = 64) -> float:
+    """Seconds per run while ``concurrent`` runs of (b) are in flight."""
+    strategy = strategy_for(n)
+    one = np.float32(1.0)
+
+    async def fn():
+        return await aiodist.get_replica_context().all_reduce("sum", one)
+
+    async def batch():
+        await asyncio.gather(*(strategy.run(fn) for _ in range(concurrent)))
+
+    rounds = max(1, steps // concurrent)
+    return await _timed(batch, rounds) / concurrent
