@@ -70,8 +70,7 @@ def replica_state(strategy: Strategy, replica: ReplicaContext | None) -> _State:
     return _State(strategy, replica, True)
 
 
-def set_state(state: _State) -> contextvars.Token:
-    return _STATE.set(state)
+set_state = _STATE.set  # the ContextVar's own (C) method: called once per replica per run
 
 
 def get_strategy() -> Strategy:

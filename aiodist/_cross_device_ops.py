@@ -17,6 +17,7 @@ replica would only cost bandwidth). Copy a result (``x.copy()``) to modify it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -69,6 +70,11 @@ def resolve_destinations(destinations: Any) -> tuple[Device, ...]:
     return devices
 
 
+@functools.lru_cache(maxsize=256)
+def _all_cpu(devices: tuple[Device, ...]) -> bool:
+    return all(device.kind == "CPU" for device in devices)
+
+
 def _is_cupy_array(value: object) -> bool:
     return type(value).__module__.startswith("cupy") and hasattr(value, "device")
 
@@ -106,6 +112,12 @@ class CrossDeviceOps:
         return destinations[0]
 
     def _broadcast_array(self, array: Any, destinations: Sequence[Device]) -> list:
+        """One handle on ``array`` per destination (read-only views on CPU devices)."""
+        if type(array) is np.ndarray and _all_cpu(tuple(destinations)):
+            # Logical CPU devices share host memory: a read-only view each, no copy.
+            shared = array.view()
+            shared.flags.writeable = False
+            return [shared, *[shared.view() for _ in range(len(destinations) - 1)]]
         out = []
         for device in destinations:
             backend = backend_for(device)
@@ -120,25 +132,43 @@ class CrossDeviceOps:
         options: CommunicationOptions,
     ) -> list[list]:
         """All-reduce lists of leaves: ``per_replica[r][i]`` is replica r's leaf i."""
-        num_leaves = len(per_replica[0])
-        out: list[list] = [[None] * num_leaves for _ in per_replica]
         target = self._gather_device(devices)
-        for pack in _pack_indices(per_replica[0], options.bytes_per_pack):
-            if len(pack) == 1:
-                (index,) = pack
-                reduced = self._reduce_arrays(op, [leaves[index] for leaves in per_replica], target)
-                for replica, view in enumerate(self._broadcast_array(reduced, devices)):
-                    out[replica][index] = view
-                continue
-            xp = backend_for(target).xp
-            buffers = [xp.concatenate([leaves[i].ravel() for i in pack]) for leaves in per_replica]
+        first = per_replica[0]
+        if len(first) == 1:  # one array each: no packing
+            reduced = self._reduce_arrays(op, [leaves[0] for leaves in per_replica], target)
+            return [[view] for view in self._broadcast_array(reduced, devices)]
+        out: list[list] = [[None] * len(first) for _ in per_replica]
+        xp = backend_for(target).xp
+        for pack in _pack_indices(first, options.bytes_per_pack):
+            if len(pack) == len(first):  # the usual case: one dtype, one pack
+                buffers = [xp.concatenate(leaves, axis=None) for leaves in per_replica]
+            else:
+                buffers = [
+                    xp.concatenate([leaves[i] for i in pack], axis=None) for leaves in per_replica
+                ]
             reduced = self._reduce_arrays(op, buffers, target)
-            for replica, flat in enumerate(self._broadcast_array(reduced, devices)):
+            flats = self._broadcast_array(reduced, devices)
+            # Split replica 0's buffer once; the others get views of those pieces
+            # (a view is cheaper than a slice and a reshape).
+            pieces, offset = [], 0
+            for index in pack:
+                size = first[index].size
+                pieces.append(flats[0][offset : offset + size].reshape(first[index].shape))
+                offset += size
+            for index, piece in zip(pack, pieces, strict=True):
+                out[0][index] = piece
+            same_memory = all(flat.base is flats[0].base for flat in flats)
+            for replica in range(1, len(per_replica)):
+                if same_memory:
+                    for index, piece in zip(pack, pieces, strict=True):
+                        out[replica][index] = piece.view()
+                    continue
                 offset = 0
                 for index in pack:
-                    shape = per_replica[replica][index].shape
-                    size = per_replica[replica][index].size
-                    out[replica][index] = flat[offset : offset + size].reshape(shape)
+                    size = first[index].size
+                    out[replica][index] = flats[replica][offset : offset + size].reshape(
+                        first[index].shape
+                    )
                     offset += size
         return out
 

@@ -57,6 +57,10 @@ class ReduceOp(enum.Enum):
     @classmethod
     def of(cls, value: ReduceOp | str) -> ReduceOp:
         """``value`` as a ReduceOp; raises ``InvalidArgumentError`` for anything else."""
+        try:  # hot path: a member, or its name in upper or lower case (one dict lookup)
+            return _BY_KEY[value]
+        except (KeyError, TypeError):
+            pass
         if isinstance(value, cls):
             return value
         return cls(value)
@@ -78,3 +82,8 @@ class ReduceOp(enum.Enum):
 
     def __repr__(self) -> str:
         return f"ReduceOp.{self.name}"
+
+
+_BY_KEY: dict = {}
+for _member in ReduceOp:
+    _BY_KEY.update({_member: _member, _member.name: _member, _member.name.lower(): _member})

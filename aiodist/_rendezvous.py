@@ -67,12 +67,20 @@ class Signature:
     person (``"all_reduce(SUM, float32[3])"``).
     """
 
-    __slots__ = ("key", "name", "text")
+    __slots__ = ("_describe", "_text", "key", "name")
 
-    def __init__(self, name: str, key: Hashable, text: str):
+    def __init__(self, name: str, key: Hashable, text: str | Callable[[], str]):
         self.name = name
         self.key = key
-        self.text = text
+        # The text is only needed for error messages: a callable defers building it.
+        self._text = text if isinstance(text, str) else None
+        self._describe = text
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            self._text = self._describe()
+        return self._text
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Signature):
@@ -113,6 +121,10 @@ class _Call:
 
 
 Execute = Callable[[int, Signature, list], "list | asyncio.Future"]
+
+
+def _closed(number: int, signature: Signature, payloads: list) -> list:
+    raise RendezvousError(f"{signature.name} #{number}: the replica group is closed.")
 
 
 class Rendezvous:
@@ -183,6 +195,7 @@ class Rendezvous:
 
     def close(self, reason: str = "the run finished") -> None:
         """Fail every pending call and every later arrival; cancel timers."""
+        self._execute = _closed  # drops the owner's bound method: no reference cycle
         if self._closed is None:
             self._closed = RendezvousError(
                 f"the replica group is closed: {reason}. A collective belongs to the run "

@@ -30,6 +30,7 @@ import asyncio
 import contextvars
 import inspect
 from collections.abc import Callable, Sequence
+from types import CoroutineType, GeneratorType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _context, _nest
@@ -39,12 +40,33 @@ from ._options import CommunicationOptions
 from ._rendezvous import Rendezvous, Signature
 from ._replica_context import MergePayload, ReplicaContext
 from ._streams import drive
-from ._values import regroup, select_replica
+from ._values import DistributedValues, regroup, select_replica
 
 if TYPE_CHECKING:
     from ._strategy import Strategy
 
 __all__ = ["ReplicaSlot", "RunGroup"]
+
+
+_TASK_NAMES = tuple(f"aiodist-replica-{i}" for i in range(64))
+_AWAITABLE_BY_TYPE: dict[type, bool] = {}
+
+
+def _awaitable(value: object) -> bool:
+    """``inspect.isawaitable``, cached per type (it is called once per replica per run)."""
+    kind = type(value)
+    known = _AWAITABLE_BY_TYPE.get(kind)
+    if known is None:
+        known = inspect.isawaitable(value)
+        if kind is GeneratorType:  # depends on the generator's code flags, not its type
+            return known
+        _AWAITABLE_BY_TYPE[kind] = known
+    return known
+
+
+def _may_hold_distributed(values: Any) -> bool:
+    """False when no element of ``values`` is, or may contain, a distributed value."""
+    return any(isinstance(v, DistributedValues | list | tuple | dict) for v in values)
 
 
 class ReplicaSlot(NamedTuple):
@@ -59,15 +81,16 @@ class ReplicaSlot(NamedTuple):
 class RunGroup:
     """The replicas of one ``strategy.run`` and their rendezvous."""
 
-    def __init__(self, strategy: Strategy, slots: Sequence[ReplicaSlot]):
+    def __init__(self, strategy: Strategy, slots: tuple[ReplicaSlot, ...]):
         self.strategy = strategy
-        self.slots = tuple(slots)
-        self.num_replicas = len(self.slots)
-        self.devices = tuple(slot.device for slot in self.slots)
-        self.rendezvous = Rendezvous(self.num_replicas, self._execute)
-        self.contexts = tuple(
-            ReplicaContext(strategy, slot.replica_id, self, slot) for slot in self.slots
-        )
+        self.slots = slots
+        self.num_replicas = len(slots)
+        self.devices = tuple(slot.device for slot in slots)
+        # Created by run(); a run whose replicas never meet creates no rendezvous.
+        self.contexts: tuple[ReplicaContext, ...] = ()
+        self._rendezvous: Rendezvous | None = None
+        self._exits: list[tuple[int, str]] = []  # replica exits before the rendezvous existed
+        self._finished = False
         self._aux: set[asyncio.Task] = set()
         self._tasks: list[asyncio.Task] = []
         self._failure: BaseException | None = None
@@ -75,9 +98,26 @@ class RunGroup:
         self._base: contextvars.Context | None = None
 
     def __repr__(self) -> str:
-        return f"<RunGroup replicas={self.num_replicas} {self.rendezvous!r}>"
+        return f"<RunGroup replicas={self.num_replicas} {self._rendezvous!r}>"
 
     # -- collectives (called by ReplicaContext) -----------------------------------
+
+    @property
+    def rendezvous(self) -> Rendezvous:
+        """The group's rendezvous engine, made at the first collective call."""
+        if self._rendezvous is None:
+            self._rendezvous = Rendezvous(self.num_replicas, self._execute)
+            for replica, how in self._exits:
+                self._rendezvous.replica_exited(replica, how)
+            if self._finished:
+                self._rendezvous.close()
+        return self._rendezvous
+
+    def _replica_exited(self, replica: int, how: str) -> None:
+        if self._rendezvous is None:
+            self._exits.append((replica, how))
+        else:
+            self._rendezvous.replica_exited(replica, how)
 
     def arrive(
         self, replica_id: int, signature: Signature, payload: Any, options: CommunicationOptions
@@ -89,7 +129,8 @@ class RunGroup:
     async def run(self, fn: Callable, args: Sequence, kwargs: dict) -> object:
         loop = asyncio.get_running_loop()
         base = contextvars.copy_context()
-        base.run(_context.set_state, _context.replica_state(self.strategy, None))
+        set_state = _context.set_state
+        base.run(set_state, _context.replica_state(self.strategy, None))
         self._base = base
         all_done = loop.create_future()
         remaining = self.num_replicas
@@ -102,15 +143,26 @@ class RunGroup:
             if remaining == 0 and not all_done.done():
                 all_done.set_result(None)
 
-        for slot, replica_ctx in zip(self.slots, self.contexts, strict=True):
+        # Arguments holding no distributed value (the common case) go to every
+        # replica as they are: no per-replica walk of the structure.
+        plain = not _may_hold_distributed(args) and not _may_hold_distributed(kwargs.values())
+        n = self.num_replicas
+        strategy = self.strategy
+        self.contexts = contexts = tuple(
+            ReplicaContext(strategy, slot.replica_id, self, slot) for slot in self.slots
+        )
+        for slot, replica_ctx in zip(self.slots, contexts, strict=True):
             rid = slot.replica_id
-            replica_args = select_replica(rid, tuple(args), self.num_replicas)
-            replica_kwargs = select_replica(rid, kwargs, self.num_replicas)
+            if plain:
+                replica_args, replica_kwargs = args, kwargs
+            else:
+                replica_args = select_replica(rid, tuple(args), n)
+                replica_kwargs = select_replica(rid, kwargs, n)
             context = base.copy()
-            context.run(_context.set_state, _context.replica_state(self.strategy, replica_ctx))
+            context.run(set_state, _context.replica_state(self.strategy, replica_ctx))
             task = loop.create_task(
                 self._replica_main(slot, fn, replica_args, replica_kwargs),
-                name=f"aiodist-replica-{rid}",
+                name=_TASK_NAMES[rid] if rid < len(_TASK_NAMES) else f"aiodist-replica-{rid}",
                 context=context,
             )
             task.add_done_callback(on_done)
@@ -125,10 +177,16 @@ class RunGroup:
             await self._drain()
             raise
         finally:
-            self.rendezvous.close()
+            self._finished = True
+            if self._rendezvous is not None:
+                self._rendezvous.close()
+            tasks, self._tasks = self._tasks, []
+            # Break group -> task -> context -> ReplicaContext -> group, so a finished
+            # run is freed by reference counting instead of becoming cyclic garbage.
+            self.contexts = ()
         if self._failure is not None:
             raise self._failure
-        results = [task.result() for task in self._tasks]
+        results = [task.result() for task in tasks]
         if self.num_replicas == 1:
             return results[0]
         return regroup(results, self.devices)
@@ -144,17 +202,17 @@ class RunGroup:
                     result = fn(*args, **kwargs)
                 finally:
                     slot.backend.deactivate(token)
-                if inspect.iscoroutine(result):
+                if type(result) is CoroutineType:
                     result = await drive(
                         result,
                         lambda: slot.backend.activate(slot.device, slot.stream),
                         slot.backend.deactivate,
                     )
-                elif inspect.isawaitable(result):
+                elif _awaitable(result):
                     result = await result
             else:
                 result = fn(*args, **kwargs)
-                if inspect.isawaitable(result):
+                if type(result) is CoroutineType or _awaitable(result):
                     result = await result
         except asyncio.CancelledError:
             if not self._cancelling and self._failure is None:
@@ -165,21 +223,21 @@ class RunGroup:
                     "the run has no result for it; raise an exception to fail a replica."
                 )
                 self._cancel_all()
-            self.rendezvous.replica_exited(rid, "was cancelled")
+            self._replica_exited(rid, "was cancelled")
             raise
         except BaseException as exc:
             if self._failure is None:
                 self._failure = exc
-                if self.rendezvous.delivered(exc):
+                if self._rendezvous is not None and self._rendezvous.delivered(exc):
                     # A failed collective (mismatch, exit, timeout, merge_fn error):
                     # every replica waiting in it has its wake-up queued already; let
                     # each raise the error before the rest are cancelled.
                     asyncio.get_running_loop().call_soon(self._cancel_all)
                 else:
                     self._cancel_all()
-            self.rendezvous.replica_exited(rid, f"raised {type(exc).__name__}")
+            self._replica_exited(rid, f"raised {type(exc).__name__}")
             raise
-        self.rendezvous.replica_exited(rid, "returned")
+        self._replica_exited(rid, "returned")
         return result
 
     def _cancel_all(self) -> None:
@@ -224,6 +282,8 @@ class RunGroup:
                 out = ops._all_gather_flat(arrays, first.axis, self.devices, first.options)
         finally:
             backend.end_cross_replica(token, self.slots)
+        if payloads[0].template is None:  # one array each (signatures matched)
+            return [leaves[0] for leaves in out]
         return [_nest.pack_as(p.template, leaves) for p, leaves in zip(payloads, out, strict=True)]
 
     def _merge(self, payloads: list[MergePayload], backend: Any, token: object) -> Any:
@@ -260,6 +320,10 @@ class DefaultGroup(RunGroup):
     Collectives there complete at once; a merge_fn runs in the default strategy's
     cross-replica context, built from the caller's context at each call.
     """
+
+    def __init__(self, strategy: Strategy, slots: tuple[ReplicaSlot, ...]):
+        super().__init__(strategy, slots)
+        self.contexts = (ReplicaContext(strategy, 0, self, slots[0]),)
 
     def _cross_replica_context(self) -> contextvars.Context:
         context = contextvars.copy_context()

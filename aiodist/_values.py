@@ -56,6 +56,14 @@ class DistributedValues:
                 )
         self._devices = devices
 
+    @classmethod
+    def _make(cls, values: tuple, devices: tuple | None) -> DistributedValues:
+        """Internal constructor for already-checked values (skips validation)."""
+        self = object.__new__(cls)
+        self._values = values
+        self._devices = devices
+        return self
+
     @property
     def values(self) -> tuple:
         """The components, one per replica, in replica order."""
@@ -108,6 +116,9 @@ def select_replica(replica_id: int, structure: object, num_replicas: int) -> obj
     return _nest.map_structure(pick, structure)
 
 
+_NESTED = (list, tuple, dict)
+
+
 def _describe(value: object) -> str:
     if isinstance(value, dict):
         return f"dict with keys {sorted(map(repr, value))}"
@@ -136,6 +147,17 @@ def regroup(
     first = values[0]
     if all(value is first for value in values):
         return first
+    if (
+        type(first) is list
+        and all(type(v) is list and len(v) == len(first) for v in values)
+        and not any(isinstance(x, _NESTED) for v in values for x in v)
+    ):
+        # Flat lists of leaves (e.g. all-reduced gradients): one pass per column.
+        devices = None if devices is None else tuple(devices)
+        return [
+            column[0] if all(x is column[0] for x in column) else PerReplica._make(column, devices)
+            for column in zip(*values, strict=True)
+        ]
     nested = [_nest.is_nested(value) for value in values]
     if any(nested):
         odd = [i for i, value in enumerate(values) if not _same_container(first, value)]
@@ -158,4 +180,4 @@ def regroup(
             for i in range(len(per_child[0]))
         ]
         return _nest.rebuild(first, merged)
-    return PerReplica(values, devices)
+    return PerReplica._make(tuple(values), None if devices is None else tuple(devices))
