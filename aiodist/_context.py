@@ -1,6 +1,6 @@
 """Replica and cross-replica contexts, kept in a ``contextvars.ContextVar``.
 
-The state is one immutable ``_State(strategy, replica, in_scope)``:
+The state is one immutable ``_State(strategy, replica, in_scope, group)``:
 
 =============================  ==========  =========  =================================
 where the code runs            strategy    replica    get_replica_context()
@@ -48,6 +48,7 @@ class _State(NamedTuple):
     strategy: Any  # Strategy | None (None: the default strategy)
     replica: Any  # ReplicaContext | None
     in_scope: bool  # entered with `with strategy.scope()` (vs experimental_set_strategy)
+    group: Any = None  # the RunGroup whose replica function this is, in replica context
 
 
 _OUTSIDE = _State(None, None, False)
@@ -65,9 +66,9 @@ def current_state() -> _State:
     return _STATE.get()
 
 
-def replica_state(strategy: Strategy, replica: ReplicaContext | None) -> _State:
-    """The state inside a replica function (``replica``) or a merge_fn (None)."""
-    return _State(strategy, replica, True)
+def replica_state(strategy: Strategy, replica: ReplicaContext | None, group: Any = None) -> _State:
+    """The state inside a replica function of ``group`` (``replica``), or a merge_fn (None)."""
+    return _State(strategy, replica, True, group)
 
 
 set_state = _STATE.set  # the ContextVar's own (C) method: called once per replica per run

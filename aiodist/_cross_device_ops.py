@@ -25,7 +25,7 @@ import numpy as np
 
 from . import _context
 from ._arrays import check_reducible, gather_axis, leaf_text
-from ._backends import backend_for
+from ._backends import backend_for, cpu_backend
 from ._devices import Device, parse_device
 from ._errors import InvalidArgumentError
 from ._ops import ReduceOp
@@ -208,7 +208,7 @@ class CrossDeviceOps:
         op = ReduceOp.of(reduce_op)
         devices = resolve_destinations(destinations)
         arrays = _components(per_replica_value, "reduce")
-        _check_alike(arrays, "reduce")
+        check_alike(arrays, "reduce")
         for array in arrays:
             check_reducible(op, array, "reduce")
         reduced = self._reduce_arrays(op, arrays, devices[0])
@@ -312,7 +312,10 @@ class ReductionToOneDevice(CrossDeviceOps):
         target = self.reduce_to_device or target
         backend = backend_for(target)
         xp = backend.xp
-        values = [backend.asarray(array, target) for array in arrays]
+        if backend is cpu_backend:  # host arrays are already where they need to be
+            values = arrays
+        else:
+            values = [backend.asarray(array, target) for array in arrays]
         if self.accumulation_fn is not None and op in (ReduceOp.SUM, ReduceOp.MEAN):
             total = backend.asarray(self.accumulation_fn(values), target)
         elif len(values) == 1:
@@ -343,7 +346,7 @@ def _components(value: Any, where: str) -> list:
     return arrays
 
 
-def _check_alike(arrays: Sequence[Any], where: str) -> None:
+def check_alike(arrays: Sequence[Any], where: str) -> None:
     first = arrays[0]
     odd = [i for i, a in enumerate(arrays) if a.shape != first.shape or a.dtype != first.dtype]
     if odd:

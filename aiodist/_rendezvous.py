@@ -41,8 +41,9 @@ a loop before it is used; the scheduler still makes one engine per run.
 from __future__ import annotations
 
 import asyncio
+from asyncio import get_running_loop
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._errors import (
     CollectiveMismatchError,
@@ -59,36 +60,26 @@ _ORDER_HINT = (
 )
 
 
-class Signature:
+class Signature(NamedTuple):
     """What one replica called: compared across replicas, shown in error messages.
 
     ``name`` is the collective (``"all_reduce"``), ``key`` is what must be equal
-    on every replica (op, structure, shapes, dtypes), and ``text`` says it for a
-    person (``"all_reduce(SUM, float32[3])"``).
+    on every replica (op, structure, shapes, dtypes), and ``describe`` says it
+    for a person (``"all_reduce(SUM, float32[3])"``): a string, or a callable
+    that builds one, since the text is only needed when something goes wrong.
+    Two signatures match when their names and keys are equal (``matches``).
     """
 
-    __slots__ = ("_describe", "_text", "key", "name")
-
-    def __init__(self, name: str, key: Hashable, text: str | Callable[[], str]):
-        self.name = name
-        self.key = key
-        # The text is only needed for error messages: a callable defers building it.
-        self._text = text if isinstance(text, str) else None
-        self._describe = text
+    name: str
+    key: Hashable
+    describe: str | Callable[[], str]
 
     @property
     def text(self) -> str:
-        if self._text is None:
-            self._text = self._describe()
-        return self._text
+        return self.describe if isinstance(self.describe, str) else self.describe()
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Signature):
-            return NotImplemented
-        return self.name == other.name and self.key == other.key
-
-    def __hash__(self) -> int:
-        return hash((self.name, self.key))
+    def matches(self, other: Signature) -> bool:
+        return self is other or (self.name == other.name and self.key == other.key)
 
     def __repr__(self) -> str:
         return f"Signature({self.text})"
@@ -104,11 +95,21 @@ def _replicas(replicas: Sequence[int]) -> str:
 
 
 class _Call:
-    __slots__ = ("arrivals", "failure", "futures", "name", "number", "timeout", "timer")
+    __slots__ = (
+        "arrivals",
+        "failure",
+        "first",
+        "futures",
+        "name",
+        "number",
+        "timeout",
+        "timer",
+    )
 
-    def __init__(self, number: int, name: str):
+    def __init__(self, number: int, first: Signature):
         self.number = number
-        self.name = name
+        self.name = first.name
+        self.first = first  # the first arrival's signature, which the others must match
         self.arrivals: dict[int, tuple[Signature, Any]] = {}
         self.futures: dict[int, asyncio.Future] = {}
         self.timer: asyncio.TimerHandle | None = None
@@ -137,7 +138,6 @@ class Rendezvous:
         self._pending: dict[int, _Call] = {}
         self._exited: dict[int, tuple[int, str]] = {}  # replica -> (calls made, how)
         self._closed: RendezvousError | None = None
-        self._delivered: set[int] = set()  # ids of exceptions set on waiting replicas
 
     def __repr__(self) -> str:
         pending = ", ".join(
@@ -155,7 +155,7 @@ class Rendezvous:
         timeout: float | None = None,
     ) -> asyncio.Future:
         """Register ``replica``'s next collective call; return the future of its result."""
-        future = asyncio.get_running_loop().create_future()
+        future = get_running_loop().create_future()
         number = self._next_number[replica]
         self._next_number[replica] = number + 1
         if self._closed is not None:
@@ -164,7 +164,7 @@ class Rendezvous:
 
         call = self._pending.get(number)
         if call is None:
-            call = self._pending[number] = _Call(number, signature.name)
+            call = self._pending[number] = _Call(number, signature)
             if timeout is not None:
                 call.timeout = timeout
                 call.timer = future.get_loop().call_later(timeout, self._time_out, call)
@@ -173,9 +173,9 @@ class Rendezvous:
 
         if call.failure is not None:
             future.set_exception(call.failure)
-        elif signature != next(iter(call.arrivals.values()))[0]:
+        elif not signature.matches(call.first):
             self._fail(call, CollectiveMismatchError(self._mismatch_message(call)))
-        elif (gone := self._exited_before(number)) is not None:
+        elif self._exited and (gone := self._exited_before(number)) is not None:
             self._fail(call, ReplicaExitedError(self._exit_message(call, *gone)))
         elif len(call.arrivals) == self.num_replicas:
             self._complete(call)
@@ -224,7 +224,7 @@ class Rendezvous:
         del self._pending[call.number]
         if call.timer is not None:
             call.timer.cancel()
-        signature = call.arrivals[0][0]
+        signature = call.first
         payloads = [call.arrivals[r][1] for r in range(self.num_replicas)]
         try:
             results = self._execute(call.number, signature, payloads)
@@ -258,14 +258,8 @@ class Rendezvous:
         else:
             self._deliver(call, done.result())
 
-    def delivered(self, exc: BaseException) -> bool:
-        """Whether ``exc`` was raised in replicas through a failed call (so every
-        replica waiting in that call receives it)."""
-        return id(exc) in self._delivered
-
     def _fail(self, call: _Call, exc: BaseException) -> None:
         call.failure = exc
-        self._delivered.add(id(exc))
         if call.timer is not None:
             call.timer.cancel()
             call.timer = None

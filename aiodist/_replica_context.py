@@ -28,12 +28,15 @@ from ._rendezvous import Signature
 from ._values import DistributedValues
 
 if TYPE_CHECKING:
-    from ._scheduler import ReplicaSlot, RunGroup
+    from ._scheduler import RunGroup
     from ._strategy import Strategy
 
 __all__ = ["AllGatherPayload", "AllReducePayload", "MergePayload", "ReplicaContext"]
 
 
+_STATE = _context._STATE
+_NESTED = (list, tuple, dict)
+_new = tuple.__new__  # builds a NamedTuple in C, without its Python-level __new__
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 
@@ -64,16 +67,26 @@ class MergePayload(NamedTuple):
 class ReplicaContext:
     """The context of one replica inside ``strategy.run`` (or the default one).
 
-    Get it with ``aiodist.get_replica_context()`` inside a replica function.
+    Get it with ``aiodist.get_replica_context()`` inside a replica function. It
+    stands for "replica *i* of this strategy": a strategy makes one per replica,
+    and its collectives go to the run whose replica function is calling them
+    (the run is part of the context state, so concurrent runs never mix).
     """
 
-    __slots__ = ("_group", "_replica_id", "_slot", "_strategy")
+    __slots__ = ("_default_group", "_device", "_replica_id", "_strategy")
 
-    def __init__(self, strategy: Strategy, replica_id: int, group: RunGroup, slot: ReplicaSlot):
+    def __init__(
+        self,
+        strategy: Strategy,
+        replica_id: int,
+        device: Any,
+        default_group: RunGroup | None = None,
+    ):
         self._strategy = strategy
         self._replica_id = replica_id
-        self._group = group
-        self._slot = slot
+        self._device = device
+        # Only the default replica context (outside any scope) has a group of its own.
+        self._default_group = default_group
 
     @property
     def strategy(self) -> Strategy:
@@ -83,7 +96,7 @@ class ReplicaContext:
     @property
     def num_replicas_in_sync(self) -> int:
         """How many replicas run this function together."""
-        return self._group.num_replicas
+        return self._strategy.num_replicas_in_sync
 
     @property
     def replica_id_in_sync_group(self) -> int:
@@ -93,12 +106,12 @@ class ReplicaContext:
     @property
     def devices(self) -> tuple[str, ...]:
         """The device this replica runs on, as a one-element tuple of canonical names."""
-        return (str(self._slot.device),)
+        return (str(self._device),)
 
     def __repr__(self) -> str:
         return (
-            f"<ReplicaContext replica {self._replica_id} of {self._group.num_replicas} "
-            f"on {self._slot.device}>"
+            f"<ReplicaContext replica {self._replica_id} of "
+            f"{self._strategy.num_replicas_in_sync} on {self._device}>"
         )
 
     # -- collectives -------------------------------------------------------------
@@ -113,7 +126,7 @@ class ReplicaContext:
         replica receives ``merge_fn``'s return value with every distributed value
         in it replaced by this replica's component. ``merge_fn`` may be ``async``.
         """
-        self._require_current("merge_call")
+        group = self._group("merge_call")
         if not callable(merge_fn):
             raise InvalidArgumentError(
                 f"merge_call: merge_fn={merge_fn!r} is not callable; expected a function "
@@ -123,7 +136,7 @@ class ReplicaContext:
         kwargs = _keywords(kwargs, "merge_call")
         name = getattr(merge_fn, "__qualname__", type(merge_fn).__name__)
         signature = Signature("merge_call", _merge_key(merge_fn), f"merge_call({name})")
-        return self._group.arrive(
+        return group.arrive(
             self._replica_id,
             signature,
             MergePayload(merge_fn, args, kwargs),
@@ -143,26 +156,38 @@ class ReplicaContext:
         On CPU devices each replica gets its own read-only view of one shared
         result buffer.
         """
-        if _context.current_state().replica is not self:
-            self._require_current("all_reduce")
+        # This is the per-step hot path: plain attribute and dict work, C-level
+        # tuple construction, and no structure walk for a single array.
+        state = _STATE.get()
+        group = state.group if state.replica is self else self._group("all_reduce")
         op = ReduceOp.of(reduce_op)
-        options = self._options(options)
-        nested = _nest.is_nested(value)
-        arrays = self._arrays(value, nested, "all_reduce")
+        if options is None:
+            options = self._strategy._communication_options
+        else:
+            options = self._strategy._communication_options.merge(options)
+        nested = isinstance(value, _NESTED)
+        if nested or isinstance(value, DistributedValues):
+            arrays = self._arrays(group, value, nested, "all_reduce")
+        else:  # one array or scalar, the common case
+            slot = group.slots[self._replica_id]
+            arrays = [slot.backend.asarray(value, slot.device)]
+        reducible = _REDUCIBLE[op]
         for array in arrays:
-            if array.dtype not in _REDUCIBLE[op]:
+            if array.dtype not in reducible:
                 check_reducible(op, array, f"all_reduce on replica {self._replica_id}")
-                _REDUCIBLE[op].add(array.dtype)
+                reducible.add(array.dtype)
         if nested:  # map with attrgetter: C-speed per leaf, for long lists of tensors
             shapes = tuple(map(_SHAPE, arrays))
             key = (op, _nest.skeleton(value), tuple(map(_DTYPE, arrays)), shapes)
         else:
             key = (op, arrays[0].dtype, arrays[0].shape)
-        signature = Signature(
-            "all_reduce", key, lambda: f"all_reduce({op.name}, {structure_text(value, arrays)})"
-        )
-        payload = AllReducePayload(value if nested else None, arrays, op, options)
-        return self._group.arrive(self._replica_id, signature, payload, options)
+
+        def describe() -> str:
+            return f"all_reduce({op.name}, {structure_text(value, arrays)})"
+
+        signature = _new(Signature, ("all_reduce", key, describe))
+        payload = _new(AllReducePayload, (value if nested else None, arrays, op, options))
+        return group.arrive(self._replica_id, signature, payload, options)
 
     def all_gather(
         self, value: Any, axis: int, options: CommunicationOptions | None = None
@@ -172,11 +197,11 @@ class ReplicaContext:
         Shapes may differ only along ``axis``; values of rank 0 cannot be
         gathered (add an axis first, e.g. ``x[None]``).
         """
-        self._require_current("all_gather")
+        group = self._group("all_gather")
         axis = as_axis(axis, "all_gather")
         options = self._options(options)
         nested = _nest.is_nested(value)
-        arrays = self._arrays(value, nested, "all_gather")
+        arrays = self._arrays(group, value, nested, "all_gather")
         shapes = []
         for array in arrays:
             along = gather_axis(array, axis, f"all_gather on replica {self._replica_id}")
@@ -185,15 +210,19 @@ class ReplicaContext:
         key = (axis, _nest.skeleton(value), tuple(zip(dtypes, shapes, strict=True)))
         signature = Signature(
             "all_gather", key, lambda: f"all_gather(axis={axis}, {structure_text(value, arrays)})"
-        )
+        )  # not a hot path: the readable constructor
         payload = AllGatherPayload(value if nested else None, arrays, axis, options)
-        return self._group.arrive(self._replica_id, signature, payload, options)
+        return group.arrive(self._replica_id, signature, payload, options)
 
     # -- helpers ---------------------------------------------------------------------
 
-    def _require_current(self, method: str) -> None:
-        if _context.get_replica_context() is self:
-            return
+    def _group(self, method: str) -> RunGroup:
+        """The run whose replica function is calling ``method``; raises elsewhere."""
+        state = _context.current_state()
+        if state.replica is self:
+            return state.group
+        if self._default_group is not None and state.replica is None and state.strategy is None:
+            return self._default_group
         raise ContextError(
             f"ReplicaContext.{method}() of replica {self._replica_id} was called outside "
             "that replica's function (for example from a merge_fn, another task, or "
@@ -205,8 +234,8 @@ class ReplicaContext:
         default = self._strategy._communication_options
         return default if options is None else default.merge(options)
 
-    def _arrays(self, value: Any, nested: bool, method: str) -> list:
-        slot = self._slot
+    def _arrays(self, group: RunGroup, value: Any, nested: bool, method: str) -> list:
+        slot = group.slots[self._replica_id]
         arrays = []
         for leaf in _nest.flatten(value) if nested else (value,):
             if isinstance(leaf, DistributedValues):

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from . import _context, _nest, _variables
-from ._arrays import as_axis
+from ._arrays import as_axis, check_reducible
 from ._backends import backend_for, visible_gpu_count
-from ._cross_device_ops import CrossDeviceOps, ReductionToOneDevice
+from ._cross_device_ops import CrossDeviceOps, ReductionToOneDevice, check_alike
 from ._devices import Device, parse_device
 from ._errors import ContextError, DeviceError, InvalidArgumentError
 from ._input import DistributedDataset, InputContext, InputOptions, from_function
@@ -223,6 +223,10 @@ class Strategy:
             for i, device in enumerate(self._devices)
         )
         self._extended = StrategyExtended(self, cross_device_ops or ReductionToOneDevice())
+        # One handle per replica, shared by every run (the run is in the context state).
+        self._replica_contexts = tuple(
+            ReplicaContext(self, slot.replica_id, slot.device) for slot in self._slots
+        )
 
     def __repr__(self) -> str:
         devices = ", ".join(repr(str(d)) for d in self._devices)
@@ -349,8 +353,11 @@ class Strategy:
             parts = [getattr(np, op.ufunc).reduce(p, axis=axes) for p in parts]
         if len(parts) == 1 and op is ReduceOp.MEAN:
             return np.asarray(parts[0]).copy()
-        components = PerReplica(parts, (_HOST,) * len(parts)) if len(parts) > 1 else parts[0]
-        return await self.extended._cross_device_ops.reduce(op, components, _HOST)
+        # Straight to the reduction primitive: the parts are host arrays already.
+        check_alike(parts, "reduce")
+        for part in parts:
+            check_reducible(op, part, "reduce")
+        return self.extended._cross_device_ops._reduce_arrays(op, parts, _HOST)
 
     async def gather(self, value: Any, axis: int) -> Any:
         """Concatenate the components of ``value`` along ``axis`` into a host array."""
@@ -362,7 +369,7 @@ class Strategy:
 
     def _host_components(self, value: Any) -> list:
         if isinstance(value, DistributedValues):
-            parts = list(value.values)
+            parts = list(value._values)
             if len(parts) != self.num_replicas_in_sync:
                 raise InvalidArgumentError(
                     f"a {type(value).__name__} with {len(parts)} values was passed to a "
@@ -370,7 +377,7 @@ class Strategy:
                 )
         else:
             parts = [value]
-        return [_to_host(p) for p in parts]
+        return [p if type(p) is np.ndarray else _to_host(p) for p in parts]
 
 
 def _to_host(value: Any) -> np.ndarray:
@@ -447,7 +454,7 @@ class _DefaultStrategy(Strategy):
 def _make_default() -> tuple[Strategy, ReplicaContext]:
     strategy = _DefaultStrategy()
     group = DefaultGroup(strategy, strategy._slots)
-    return strategy, group.contexts[0]
+    return strategy, group.context
 
 
 _context.register_default_strategy(*_make_default())

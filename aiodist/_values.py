@@ -147,6 +147,8 @@ def regroup(
     first = values[0]
     if all(value is first for value in values):
         return first
+    if type(first) is dict and not first and all(type(v) is dict and not v for v in values):
+        return {}  # empty kwargs, as merge_call usually gets
     if (
         type(first) is list
         and all(type(v) is list and len(v) == len(first) for v in values)
