@@ -28,6 +28,7 @@ from ._arrays import check_reducible, gather_axis, leaf_text
 from ._backends import backend_for, cpu_backend
 from ._devices import Device, parse_device
 from ._errors import InvalidArgumentError
+from ._host_reduce import combine as host_combine
 from ._ops import ReduceOp
 from ._options import CommunicationOptions
 from ._values import DistributedValues, Mirrored
@@ -318,6 +319,8 @@ class ReductionToOneDevice(CrossDeviceOps):
             values = [backend.asarray(array, target) for array in arrays]
         if self.accumulation_fn is not None and op in (ReduceOp.SUM, ReduceOp.MEAN):
             total = backend.asarray(self.accumulation_fn(values), target)
+        elif backend is cpu_backend:
+            total = host_combine(getattr(np, op.ufunc), values)
         elif len(values) == 1:
             total = values[0].copy()
         else:

@@ -1,0 +1,60 @@
+"""Large host reductions: parallel blocked path, and result buffers never reused while held."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import aiodist
+from aiodist._host_reduce import BLOCK, PARALLEL_MIN_BYTES, combine
+from tests.conftest import cpu_devices
+
+LARGE = PARALLEL_MIN_BYTES // 4 * 3 + 12345  # float32 elements: not a multiple of BLOCK
+
+
+@pytest.mark.parametrize("count", [2, 3, 5])
+@pytest.mark.parametrize("ufunc", [np.add, np.minimum, np.maximum, np.multiply])
+def test_parallel_path_matches_numpy(count, ufunc):
+    rng = np.random.default_rng(count)
+    arrays = [rng.uniform(0.5, 1.5, size=LARGE).astype(np.float32) for _ in range(count)]
+    assert arrays[0].nbytes >= PARALLEL_MIN_BYTES and LARGE % BLOCK
+    expected = arrays[0].copy()
+    for array in arrays[1:]:
+        expected = ufunc(expected, array)
+    np.testing.assert_array_equal(combine(ufunc, arrays), expected)
+
+
+def test_non_contiguous_and_small_inputs_take_the_plain_path():
+    big = np.arange(2 * LARGE, dtype=np.float64)[::2]  # strided
+    np.testing.assert_array_equal(combine(np.add, [big, big]), 2 * big)
+    np.testing.assert_array_equal(combine(np.add, [np.float32(1), np.float32(2)]), 3)
+
+
+def test_buffer_reused_only_when_no_result_is_held():
+    arrays = [np.ones(LARGE, dtype=np.float32)] * 2
+    first = combine(np.add, arrays)
+    second = combine(np.add, arrays)
+    assert second is not first  # `first` is still held
+    first_id = id(first)
+    del first
+    third = combine(np.add, arrays)
+    assert id(third) == first_id  # reused once released
+    view = third.view()
+    del third
+    fourth = combine(np.add, arrays)
+    assert fourth is not view.base and fourth is not second  # live results pin their buffers
+    fourth[:] = 0
+    np.testing.assert_array_equal(view, 2)
+
+
+async def test_held_all_reduce_results_never_change(num_replicas):
+    strategy = aiodist.MirroredStrategy(cpu_devices(num_replicas))
+
+    async def step(k):
+        ctx = aiodist.get_replica_context()
+        return await ctx.all_reduce("sum", np.full(LARGE, k, dtype=np.float32))
+
+    kept = [await strategy.run(step, args=(k,)) for k in range(4)]
+    for k, result in enumerate(kept):
+        for value in strategy.experimental_local_results(result):
+            assert value[0] == value[-1] == k * num_replicas
