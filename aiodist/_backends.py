@@ -47,6 +47,7 @@ class CpuBackend:
 
     kind = "CPU"
     xp = np
+    array_type = np.ndarray  # values of this type need no conversion (asarray)
     needs_activation = False
 
     def check(self, device: Device) -> None:

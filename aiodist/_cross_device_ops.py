@@ -152,9 +152,12 @@ class CrossDeviceOps:
             # Split replica 0's buffer once; the others get views of those pieces
             # (a view is cheaper than a slice and a reshape).
             pieces, offset = [], 0
+            flat0 = flats[0]
             for index in pack:
-                size = first[index].size
-                pieces.append(flats[0][offset : offset + size].reshape(first[index].shape))
+                leaf = first[index]
+                size = leaf.size
+                piece = flat0[offset : offset + size]
+                pieces.append(piece if leaf.ndim == 1 else piece.reshape(leaf.shape))
                 offset += size
             for index, piece in zip(pack, pieces, strict=True):
                 out[0][index] = piece

@@ -1,12 +1,13 @@
 """Element-wise reduction of large host arrays: all cores, cache blocks, reused buffers.
 
 ``combine(ufunc, arrays)`` is what ``ReductionToOneDevice`` uses on CPU devices.
-Small inputs take the plain path (one ufunc call per input). Large ones
-(``PARALLEL_MIN_BYTES`` and up, C-contiguous, one dtype) are split into one
-slice per core; each slice is reduced block by block (``BLOCK`` elements), so
-the partial result stays in cache while the N inputs stream through it, and
-NumPy releases the GIL inside each ufunc call, so the slices run in parallel.
-The caller's thread takes the first slice; a process-wide thread pool the rest.
+Small inputs take the plain path (one ufunc call per input). Larger ones
+(``POOL_MIN_BYTES`` and up, C-contiguous, one dtype) are reduced block by block
+(``BLOCK`` elements), so the partial result stays in cache while the N inputs
+stream through it. From ``PARALLEL_MIN_BYTES`` on, the work is split into one
+slice per core: NumPy releases the GIL inside each ufunc call, so the slices
+run in parallel; the caller's thread takes the first slice, a process-wide
+thread pool the rest.
 
 The result of a large reduction goes into a buffer taken from a small pool.
 Collective results are read-only views of that buffer; a buffer is reused only
@@ -24,9 +25,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BLOCK", "PARALLEL_MIN_BYTES", "combine"]
+__all__ = ["BLOCK", "PARALLEL_MIN_BYTES", "POOL_MIN_BYTES", "combine"]
 
-PARALLEL_MIN_BYTES = 1 << 20  # below this, threads cost more than they save
+POOL_MIN_BYTES = 1 << 18  # from here, results go to pooled buffers, reduced in blocks
+PARALLEL_MIN_BYTES = 1 << 22  # from here, several cores (below, threads cost more)
 BLOCK = 1 << 15  # elements per block: 128 KiB of float32, cache-resident
 _WORKERS = max(1, os.cpu_count() or 1)
 _pool: ThreadPoolExecutor | None = None
@@ -78,7 +80,7 @@ def combine(ufunc: Any, arrays: list) -> np.ndarray:
     if len(arrays) == 1:
         return np.array(first, copy=True)
     large = (
-        first.nbytes >= PARALLEL_MIN_BYTES
+        first.nbytes >= POOL_MIN_BYTES
         and all(a.dtype == first.dtype and a.shape == first.shape for a in arrays)
         and all(a.flags.c_contiguous for a in arrays)
     )
@@ -91,6 +93,9 @@ def combine(ufunc: Any, arrays: list) -> np.ndarray:
     flats = [a.reshape(-1) for a in arrays]
     flat_out = out.reshape(-1)
     size = flat_out.size
+    if first.nbytes < PARALLEL_MIN_BYTES or _WORKERS == 1:
+        _reduce_slice(ufunc, flats, flat_out, 0, size)
+        return out
     per_worker = -(-size // _WORKERS)
     per_worker = -(-per_worker // BLOCK) * BLOCK  # whole blocks per worker
     bounds = [(lo, min(lo + per_worker, size)) for lo in range(0, size, per_worker)]

@@ -69,18 +69,24 @@ def _iter_leaves(value: object) -> Iterator[object]:
 _NESTED = (list, tuple, dict)
 
 
+def any_nested(values: Any) -> bool:
+    """Whether any of ``values`` is a container: one type test per distinct type,
+    so a list of a hundred arrays costs one ``issubclass``."""
+    return any(issubclass(kind, _NESTED) for kind in set(map(type, values)))
+
+
 def flatten(value: object) -> list:
     """The leaves of ``value``, depth first."""
     if not isinstance(value, _NESTED):
         return [value]
-    if not isinstance(value, dict) and not any(isinstance(v, _NESTED) for v in value):
+    if not isinstance(value, dict) and not any_nested(value):
         return list(value)  # a flat list or tuple: the common case, without recursion
     return list(_iter_leaves(value))
 
 
 def pack_as(template: object, leaves: list) -> Any:
     """The structure of ``template`` filled with ``leaves`` (inverse of ``flatten``)."""
-    if type(template) is list and not any(isinstance(v, _NESTED) for v in template):
+    if type(template) is list and not any_nested(template):
         return list(leaves)  # a flat list: the common case, without recursion
     iterator = iter(leaves)
 
@@ -118,7 +124,7 @@ def skeleton(value: object) -> object:
     if isinstance(value, dict):
         return ("dict", tuple((key, skeleton(value[key])) for key in _keys(value)))
     if isinstance(value, list | tuple):
-        if not any(isinstance(v, _NESTED) for v in value):
+        if not any_nested(value):
             return (type(value).__name__, len(value))  # flat: no per-leaf work
         return (type(value).__name__, tuple(skeleton(child) for child in value))
     return None

@@ -172,15 +172,18 @@ class ReplicaContext:
             slot = group.slots[self._replica_id]
             arrays = [slot.backend.asarray(value, slot.device)]
         reducible = _REDUCIBLE[op]
-        for array in arrays:
-            if array.dtype not in reducible:
-                check_reducible(op, array, f"all_reduce on replica {self._replica_id}")
-                reducible.add(array.dtype)
         if nested:  # map with attrgetter: C-speed per leaf, for long lists of tensors
-            shapes = tuple(map(_SHAPE, arrays))
-            key = (op, _nest.skeleton(value), tuple(map(_DTYPE, arrays)), shapes)
+            dtypes = tuple(map(_DTYPE, arrays))
+            for dtype in set(dtypes) - reducible:
+                check_reducible(op, arrays[dtypes.index(dtype)], self._where("all_reduce"))
+                reducible.add(dtype)
+            key = (op, _nest.skeleton(value), dtypes, tuple(map(_SHAPE, arrays)))
         else:
-            key = (op, arrays[0].dtype, arrays[0].shape)
+            dtype = arrays[0].dtype
+            if dtype not in reducible:
+                check_reducible(op, arrays[0], self._where("all_reduce"))
+                reducible.add(dtype)
+            key = (op, dtype, arrays[0].shape)
 
         def describe() -> str:
             return f"all_reduce({op.name}, {structure_text(value, arrays)})"
@@ -230,14 +233,21 @@ class ReplicaContext:
             "cross-replica context use strategy.reduce() or strategy.extended.reduce_to()."
         )
 
+    def _where(self, method: str) -> str:
+        return f"{method} on replica {self._replica_id}"
+
     def _options(self, options: CommunicationOptions | None) -> CommunicationOptions:
         default = self._strategy._communication_options
         return default if options is None else default.merge(options)
 
     def _arrays(self, group: RunGroup, value: Any, nested: bool, method: str) -> list:
         slot = group.slots[self._replica_id]
+        leaves = _nest.flatten(value) if nested else [value]
+        native = slot.backend.array_type
+        if native is not None and all(map(native.__instancecheck__, leaves)):
+            return leaves  # already arrays of this device's kind: nothing to convert
         arrays = []
-        for leaf in _nest.flatten(value) if nested else (value,):
+        for leaf in leaves:
             if isinstance(leaf, DistributedValues):
                 raise InvalidArgumentError(
                     f"{method} on replica {self._replica_id} got a {type(leaf).__name__}; "

@@ -19,6 +19,7 @@ leaves that are the very same object on every replica, which stay as they are.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 from typing import TYPE_CHECKING
 
 from . import _nest
@@ -152,12 +153,17 @@ def regroup(
     if (
         type(first) is list
         and all(type(v) is list and len(v) == len(first) for v in values)
-        and not any(isinstance(x, _NESTED) for v in values for x in v)
+        and not _nest.any_nested(chain.from_iterable(values))
     ):
         # Flat lists of leaves (e.g. all-reduced gradients): one pass per column.
         devices = None if devices is None else tuple(devices)
+        make = PerReplica._make
+        # `column[0] is column[-1]` settles the usual case (distinct per-replica
+        # results) without scanning the column.
         return [
-            column[0] if all(x is column[0] for x in column) else PerReplica._make(column, devices)
+            column[0]
+            if column[0] is column[-1] and all(x is column[0] for x in column)
+            else make(column, devices)
             for column in zip(*values, strict=True)
         ]
     nested = [_nest.is_nested(value) for value in values]

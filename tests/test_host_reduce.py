@@ -6,18 +6,20 @@ import numpy as np
 import pytest
 
 import aiodist
-from aiodist._host_reduce import BLOCK, PARALLEL_MIN_BYTES, combine
+from aiodist._host_reduce import BLOCK, PARALLEL_MIN_BYTES, POOL_MIN_BYTES, combine
 from tests.conftest import cpu_devices
 
-LARGE = PARALLEL_MIN_BYTES // 4 * 3 + 12345  # float32 elements: not a multiple of BLOCK
+LARGE = PARALLEL_MIN_BYTES // 4 + 12345  # float32 elements: not a multiple of BLOCK
+POOLED = POOL_MIN_BYTES // 4 + 777  # pooled and blocked, one thread
 
 
+@pytest.mark.parametrize("size", [POOLED, LARGE], ids=["blocked", "parallel"])
 @pytest.mark.parametrize("count", [2, 3, 5])
 @pytest.mark.parametrize("ufunc", [np.add, np.minimum, np.maximum, np.multiply])
-def test_parallel_path_matches_numpy(count, ufunc):
+def test_blocked_and_parallel_paths_match_numpy(size, count, ufunc):
     rng = np.random.default_rng(count)
-    arrays = [rng.uniform(0.5, 1.5, size=LARGE).astype(np.float32) for _ in range(count)]
-    assert arrays[0].nbytes >= PARALLEL_MIN_BYTES and LARGE % BLOCK
+    arrays = [rng.uniform(0.5, 1.5, size=size).astype(np.float32) for _ in range(count)]
+    assert arrays[0].nbytes >= POOL_MIN_BYTES and size % BLOCK
     expected = arrays[0].copy()
     for array in arrays[1:]:
         expected = ufunc(expected, array)
