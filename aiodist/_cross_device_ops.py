@@ -36,6 +36,9 @@ from ._values import DistributedValues, Mirrored
 __all__ = ["CrossDeviceOps", "ReductionToOneDevice", "resolve_destinations"]
 
 
+_NUMPY_UFUNCS = {op: getattr(np, op.ufunc) for op in ReduceOp}
+
+
 def resolve_destinations(destinations: Any) -> tuple[Device, ...]:
     """The devices named by ``destinations``.
 
@@ -323,7 +326,7 @@ class ReductionToOneDevice(CrossDeviceOps):
         if self.accumulation_fn is not None and op in (ReduceOp.SUM, ReduceOp.MEAN):
             total = backend.asarray(self.accumulation_fn(values), target)
         elif backend is cpu_backend:
-            total = host_combine(getattr(np, op.ufunc), values)
+            total = host_combine(_NUMPY_UFUNCS[op], values)
         elif len(values) == 1:
             total = values[0].copy()
         else:

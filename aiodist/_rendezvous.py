@@ -189,6 +189,8 @@ class Rendezvous:
         """
         made = self._next_number[replica]
         self._exited[replica] = (made, how)
+        if not self._pending:
+            return
         for number, call in list(self._pending.items()):
             if number >= made and call.failure is None:
                 self._fail(call, ReplicaExitedError(self._exit_message(call, replica, how)))

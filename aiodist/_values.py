@@ -148,6 +148,8 @@ def regroup(
     first = values[0]
     if all(value is first for value in values):
         return first
+    if not isinstance(first, _NESTED) and not _nest.any_nested(values):
+        return PerReplica._make(tuple(values), None if devices is None else tuple(devices))
     if type(first) is dict and not first and all(type(v) is dict and not v for v in values):
         return {}  # empty kwargs, as merge_call usually gets
     if (
