@@ -33,6 +33,7 @@ from ._ops import ReduceOp
 from ._options import CommunicationImplementation, CommunicationOptions
 from ._replica_context import ReplicaContext
 from ._runner import run
+from ._stats import RendezvousInFlight, Statistics
 from ._strategy import (
     MirroredStrategy,
     OneDeviceStrategy,
@@ -40,6 +41,7 @@ from ._strategy import (
     StrategyExtended,
     ValueContext,
 )
+from ._trace import trace
 from ._values import DistributedValues, Mirrored, PerReplica
 from ._variables import (
     MirroredVariable,
@@ -75,9 +77,11 @@ __all__ = [
     "ReduceOp",
     "ReductionToOneDevice",
     "RendezvousError",
+    "RendezvousInFlight",
     "RendezvousTimeoutError",
     "ReplicaContext",
     "ReplicaExitedError",
+    "Statistics",
     "Strategy",
     "StrategyExtended",
     "SyncOnReadVariable",
@@ -96,4 +100,5 @@ __all__ = [
     "restore_variables",
     "run",
     "save_variables",
+    "trace",
 ]

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import _nest
+from . import _nest, _trace
 from ._errors import InvalidArgumentError
 from ._values import regroup
 
@@ -244,11 +244,15 @@ class _Pipeline:
         try:
             while True:
                 await self._free.acquire()
+                tracer = _trace.active
+                start = tracer.now() if tracer is not None else 0.0
                 try:
                     more, element = await self._fetch()
                 except Exception as exc:
                     self._push(("error", exc))
                     return
+                if tracer is not None:
+                    tracer.span("prefetch", "input", _trace.INPUT_TRACK, start, tracer.now())
                 if not more:
                     self._push(("end", None))
                     return

@@ -30,6 +30,9 @@ class CommunicationOptions:
             arrive before it fails with ``RendezvousTimeoutError`` in every
             waiting replica (None: no limit).
         implementation: which collective implementation to prefer.
+        stall_warning_seconds: after this long waiting for some replicas, log a
+            warning (logger ``aiodist``) naming them and where each is waiting;
+            repeated at doubling intervals; None disables it.
 
     Per-call options override the strategy's ``communication_options`` field by
     field: a field left at its default does not override.
@@ -38,6 +41,7 @@ class CommunicationOptions:
     bytes_per_pack: int = 0
     timeout_seconds: float | None = None
     implementation: CommunicationImplementation = CommunicationImplementation.AUTO
+    stall_warning_seconds: float | None = 30.0
 
     def __post_init__(self) -> None:
         if (
@@ -49,16 +53,17 @@ class CommunicationOptions:
                 f"bytes_per_pack={self.bytes_per_pack!r}; expected an int >= 0 "
                 "(0 packs each dtype into one chunk)."
             )
-        if self.timeout_seconds is not None and not (
-            isinstance(self.timeout_seconds, int | float)
-            and not isinstance(self.timeout_seconds, bool)
-            and self.timeout_seconds > 0
-            and math.isfinite(self.timeout_seconds)
-        ):
-            raise InvalidArgumentError(
-                f"timeout_seconds={self.timeout_seconds!r}; expected a finite number "
-                "of seconds > 0, or None for no limit."
-            )
+        for name in ("timeout_seconds", "stall_warning_seconds"):
+            value = getattr(self, name)
+            if value is not None and not (
+                isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and value > 0
+                and math.isfinite(value)
+            ):
+                raise InvalidArgumentError(
+                    f"{name}={value!r}; expected a finite number of seconds > 0, or None."
+                )
         implementation = self.implementation
         if isinstance(implementation, str):
             try:

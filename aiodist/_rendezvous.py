@@ -41,6 +41,7 @@ a loop before it is used; the scheduler still makes one engine per run.
 from __future__ import annotations
 
 import asyncio
+import math
 from asyncio import get_running_loop
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
@@ -101,15 +102,21 @@ class _Call:
         "first",
         "futures",
         "name",
+        "next_warning",
         "number",
+        "stall_after",
+        "started",
         "timeout",
         "timer",
     )
 
-    def __init__(self, number: int, first: Signature):
+    def __init__(self, number: int, first: Signature, started: float):
         self.number = number
         self.name = first.name
         self.first = first  # the first arrival's signature, which the others must match
+        self.started = started  # loop time of the first arrival
+        self.stall_after: float | None = None
+        self.next_warning = 0.0  # seconds after `started` of the next stall report
         self.arrivals: dict[int, tuple[Signature, Any]] = {}
         self.futures: dict[int, asyncio.Future] = {}
         self.timer: asyncio.TimerHandle | None = None
@@ -131,13 +138,24 @@ def _closed(number: int, signature: Signature, payloads: list) -> list:
 class Rendezvous:
     """Matches the collective calls of ``num_replicas`` replicas by call number."""
 
-    def __init__(self, num_replicas: int, execute: Execute):
+    def __init__(
+        self,
+        num_replicas: int,
+        execute: Execute,
+        watch: Callable[[float], None] | None = None,
+    ):
         self.num_replicas = num_replicas
         self._execute = execute
+        # watch(when): a new call may stall; look at it again at loop time `when`.
+        self._watch = watch
         self._next_number = [0] * num_replicas
         self._pending: dict[int, _Call] = {}
         self._exited: dict[int, tuple[int, str]] = {}  # replica -> (calls made, how)
         self._closed: RendezvousError | None = None
+        # Counters (statistics): completed calls by collective; seconds calls waited
+        # (from their first arrival to their last).
+        self.completed: dict[str, int] = {}
+        self.wait_seconds = 0.0
 
     def __repr__(self) -> str:
         pending = ", ".join(
@@ -153,9 +171,15 @@ class Rendezvous:
         signature: Signature,
         payload: Any,
         timeout: float | None = None,
+        stall_after: float | None = None,
     ) -> asyncio.Future:
-        """Register ``replica``'s next collective call; return the future of its result."""
-        future = get_running_loop().create_future()
+        """Register ``replica``'s next collective call; return the future of its result.
+
+        ``timeout``: fail the call that many seconds after its first arrival.
+        ``stall_after``: report it as stalled (``due_stalls``) after that long.
+        """
+        loop = get_running_loop()
+        future = loop.create_future()
         number = self._next_number[replica]
         self._next_number[replica] = number + 1
         if self._closed is not None:
@@ -164,10 +188,15 @@ class Rendezvous:
 
         call = self._pending.get(number)
         if call is None:
-            call = self._pending[number] = _Call(number, signature)
+            now = loop.time()
+            call = self._pending[number] = _Call(number, signature, now)
             if timeout is not None:
                 call.timeout = timeout
-                call.timer = future.get_loop().call_later(timeout, self._time_out, call)
+                call.timer = loop.call_later(timeout, self._time_out, call)
+            if stall_after is not None:
+                call.stall_after = call.next_warning = stall_after
+                if self._watch is not None:
+                    self._watch(now + stall_after)
         call.arrivals[replica] = (signature, payload)
         call.futures[replica] = future
 
@@ -211,14 +240,40 @@ class Rendezvous:
                 call.timer.cancel()
         self._pending.clear()
 
-    def pending(self) -> list[tuple[str, list[int], list[int]]]:
-        """(label, arrived replicas, missing replicas) for every call in flight."""
+    def pending(self) -> list[tuple[str, int, list[int], list[int], float]]:
+        """(name, call number, arrived, missing, loop time of the first arrival) for
+        every call in flight."""
         everyone = range(self.num_replicas)
         return [
-            (call.label, sorted(call.arrivals), [r for r in everyone if r not in call.arrivals])
+            (
+                call.name,
+                call.number,
+                sorted(call.arrivals),
+                [r for r in everyone if r not in call.arrivals],
+                call.started,
+            )
             for call in self._pending.values()
             if call.failure is None
         ]
+
+    def due_stalls(self, now: float) -> tuple[list[tuple[str, int, list, list, float]], float]:
+        """Calls in flight whose next stall report is due at loop time ``now``, as
+        ``pending()`` rows, and the loop time of the next report after those.
+
+        Each call is reported after ``stall_after`` seconds, then at doubling
+        intervals (2x, 4x, ...), so a long stall does not flood the log.
+        """
+        due, next_due = [], math.inf
+        everyone = range(self.num_replicas)
+        for call in self._pending.values():
+            if call.stall_after is None or call.failure is not None:
+                continue
+            if now >= call.started + call.next_warning:
+                missing = [r for r in everyone if r not in call.arrivals]
+                due.append((call.name, call.number, sorted(call.arrivals), missing, call.started))
+                call.next_warning *= 2
+            next_due = min(next_due, call.started + call.next_warning)
+        return due, next_due
 
     # -- completion and failure ---------------------------------------------------
 
@@ -227,7 +282,10 @@ class Rendezvous:
         if call.timer is not None:
             call.timer.cancel()
         signature = call.first
-        payloads = [call.arrivals[r][1] for r in range(self.num_replicas)]
+        arrivals = call.arrivals
+        payloads = [arrivals[r][1] for r in range(self.num_replicas)]
+        self.completed[call.name] = self.completed.get(call.name, 0) + 1
+        self.wait_seconds += get_running_loop().time() - call.started
         try:
             results = self._execute(call.number, signature, payloads)
         except asyncio.CancelledError as exc:

@@ -32,17 +32,20 @@ import inspect
 from collections.abc import Callable, Sequence
 from functools import partial
 from inspect import CO_COROUTINE
+from operator import attrgetter
 from types import CoroutineType, GeneratorType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from . import _context, _nest
+from . import _context, _nest, _trace
 from ._devices import Device
 from ._eager import Pending, start_eagerly
 from ._errors import ContextError, ReplicaExitedError
 from ._options import CommunicationOptions
 from ._rendezvous import Rendezvous, Signature
 from ._replica_context import MergePayload, ReplicaContext
+from ._stall import watchdog_for
 from ._streams import drive
+from ._trace import CROSS_REPLICA_TRACK, Tracer, replica_track
 from ._values import DistributedValues, regroup, select_replica
 
 if TYPE_CHECKING:
@@ -65,6 +68,30 @@ def _awaitable(value: object) -> bool:
             return known
         _AWAITABLE_BY_TYPE[kind] = known
     return known
+
+
+_NBYTES = attrgetter("nbytes")
+
+
+async def _traced(tracer: Tracer, coro: Any, replica: int, run: int) -> Any:
+    """A replica's coroutine, recorded as a span on its track (only while tracing)."""
+    start = tracer.now()
+    outcome = "returned"
+    try:
+        return await coro
+    except BaseException as exc:
+        outcome = f"raised {type(exc).__name__}"
+        raise
+    finally:
+        tracer.span(
+            f"run {run}",
+            "replica",
+            replica_track(replica),
+            start,
+            tracer.now(),
+            run=run,
+            outcome=outcome,
+        )
 
 
 async def _await(awaitable: Any) -> Any:
@@ -105,11 +132,13 @@ class RunGroup:
         self._rendezvous: Rendezvous | None = None
         self._exits: list[tuple[int, str]] = []  # replica exits before the rendezvous existed
         self._finished = False
+        self.bytes_reduced = 0  # statistics: input bytes of all-reduces and all-gathers
         self._aux: set[asyncio.Task] = set()
         self._tasks: list[asyncio.Task] = []
         self._failure: BaseException | None = None
         self._cancelling = False  # set once this run cancels its replicas
         self._base: contextvars.Context | None = None
+        self._run_id = 0  # this run's number in the trace being recorded, if any
 
     def __repr__(self) -> str:
         return f"<RunGroup replicas={self.num_replicas} {self._rendezvous!r}>"
@@ -120,7 +149,10 @@ class RunGroup:
     def rendezvous(self) -> Rendezvous:
         """The group's rendezvous engine, made at the first collective call."""
         if self._rendezvous is None:
-            self._rendezvous = Rendezvous(self.num_replicas, self._execute)
+            watchdog = watchdog_for(asyncio.get_running_loop())
+            watchdog.groups.add(self)
+            self._watchdog = watchdog
+            self._rendezvous = Rendezvous(self.num_replicas, self._execute, watchdog.ensure)
             for replica, how in self._exits:
                 self._rendezvous.replica_exited(replica, how)
             if self._finished:
@@ -137,7 +169,26 @@ class RunGroup:
         self, replica_id: int, signature: Signature, payload: Any, options: CommunicationOptions
     ) -> asyncio.Future:
         rendezvous = self._rendezvous or self.rendezvous
-        return rendezvous.arrive(replica_id, signature, payload, options.timeout_seconds)
+        future = rendezvous.arrive(
+            replica_id, signature, payload, options.timeout_seconds, options.stall_warning_seconds
+        )
+        if _trace.active is not None:
+            self._trace_wait(_trace.active, replica_id, signature, future)
+        return future
+
+    def _trace_wait(
+        self, tracer: Tracer, replica_id: int, signature: Signature, future: asyncio.Future
+    ) -> None:
+        arrived = tracer.now()
+        track = replica_track(replica_id)
+        number = self.rendezvous._next_number[replica_id] - 1
+        label = f"{signature.name} #{number}"
+        tracer.instant(f"arrive {label}", "rendezvous", track, arrived, run=self._run_id)
+
+        def delivered(_: asyncio.Future) -> None:
+            tracer.span(f"wait {label}", "rendezvous", track, arrived, tracer.now())
+
+        future.add_done_callback(delivered)
 
     # -- the run ----------------------------------------------------------------------
 
@@ -160,6 +211,13 @@ class RunGroup:
 
         coroutines = self._coroutines(fn, args, kwargs)
         strategy = self.strategy
+        tracer = _trace.active
+        if tracer is not None:
+            self._run_id = tracer.next_run()
+            coroutines = [
+                _traced(tracer, coro, rid, self._run_id) for rid, coro in enumerate(coroutines)
+            ]
+        strategy._live_groups.add(self)
         contexts = strategy._replica_contexts
         # Without a custom task factory, building the Task directly is what
         # loop.create_task does, minus uvloop's separate set_name() call per task
@@ -187,8 +245,11 @@ class RunGroup:
             raise
         finally:
             self._finished = True
+            strategy._live_groups.discard(self)
+            strategy._counters.add_run(self)
             if self._rendezvous is not None:
                 self._rendezvous.close()
+                self._watchdog.groups.discard(self)
             # Break group -> task -> context -> state -> group, so a finished run is
             # freed by reference counting instead of becoming cyclic garbage.
             tasks, self._tasks = self._tasks, []
@@ -284,6 +345,36 @@ class RunGroup:
         return self._base.copy()
 
     def _execute(self, number: int, signature: Signature, payloads: list) -> Any:
+        tracer = _trace.active
+        if tracer is None:  # not tracing: straight to the work
+            return self._execute_now(number, signature, payloads)
+        return self._execute_traced(tracer, number, signature, payloads)
+
+    def _execute_traced(
+        self, tracer: Tracer, number: int, signature: Signature, payloads: list
+    ) -> Any:
+        start = tracer.now()
+        result = self._execute_now(number, signature, payloads)
+        label = f"{signature.name} #{number}"
+
+        def done(_: object = None) -> None:
+            tracer.span(
+                label,
+                "collective",
+                CROSS_REPLICA_TRACK,
+                start,
+                tracer.now(),
+                run=self._run_id,
+                replicas=self.num_replicas,
+            )
+
+        if isinstance(result, asyncio.Future):
+            result.add_done_callback(done)
+        else:
+            done()
+        return result
+
+    def _execute_now(self, number: int, signature: Signature, payloads: list) -> Any:
         backend = self.slots[0].backend
         token = backend.begin_cross_replica(self.slots)
         if signature.name == "merge_call":
@@ -292,6 +383,7 @@ class RunGroup:
             ops = self.strategy.extended._cross_device_ops
             first = payloads[0]
             arrays = [payload.arrays for payload in payloads]
+            self.bytes_reduced += sum(map(_NBYTES, first.arrays)) * self.num_replicas
             if signature.name == "all_reduce":
                 out = ops._all_reduce_flat(first.op, arrays, self.devices, first.options)
             else:

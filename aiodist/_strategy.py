@@ -8,6 +8,7 @@ strategy serves any number of concurrent runs and outlives event loops.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import operator
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ from ._ops import ReduceOp
 from ._options import CommunicationOptions
 from ._replica_context import ReplicaContext, _keywords, _positional
 from ._scheduler import DefaultGroup, ReplicaSlot, RunGroup
+from ._stats import Counters, Statistics, snapshot
 from ._values import DistributedValues, PerReplica, select_replica
 
 __all__ = [
@@ -223,6 +225,8 @@ class Strategy:
             for i, device in enumerate(self._devices)
         )
         self._extended = StrategyExtended(self, cross_device_ops or ReductionToOneDevice())
+        self._live_groups: set = set()  # runs in flight (statistics, stall reports)
+        self._counters = Counters()
         # One handle per replica, shared by every run (the run is in the context state).
         self._replica_contexts = tuple(
             ReplicaContext(self, slot.replica_id, slot.device) for slot in self._slots
@@ -240,6 +244,18 @@ class Strategy:
     def num_replicas_in_sync(self) -> int:
         """How many replicas run each function passed to ``run``."""
         return len(self._devices)
+
+    def statistics(self) -> Statistics:
+        """An immutable snapshot: runs and rendezvous in flight, and totals.
+
+        ``repr()`` of the snapshot shows every rendezvous in flight with the
+        replicas that arrived and the ones still missing.
+        """
+        try:
+            now: float | None = asyncio.get_running_loop().time()
+        except RuntimeError:
+            now = None
+        return snapshot(self._counters, self._live_groups, now)
 
     def scope(self) -> contextlib.AbstractContextManager[Strategy]:
         """Make this strategy current and enter cross-replica context (``with``)."""

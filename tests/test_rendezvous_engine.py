@@ -36,7 +36,9 @@ async def test_completes_once_when_all_arrive_with_per_replica_results():
     rv = Rendezvous(3, execute)
     futures = [rv.arrive(r, SUM, 10 * r) for r in (2, 0)]
     assert not any(f.done() for f in futures)
-    assert rv.pending() == [("sum #0", [0, 2], [1])]
+    [(name, number, arrived, missing, started)] = rv.pending()
+    assert (name, number, arrived, missing) == ("sum", 0, [0, 2], [1])
+    assert started <= asyncio.get_running_loop().time()
     last = rv.arrive(1, SUM, 10)
     assert [await f for f in futures] == [32, 30]
     assert await last == 31
@@ -159,3 +161,25 @@ def test_engine_does_not_import_arrays():
 
     source = pathlib.Path(module.__file__).read_text()
     assert "numpy" not in source and "cupy" not in source
+
+
+async def test_counters_and_stall_schedule():
+    watched = []
+    rv = Rendezvous(2, Recorder(), watch=watched.append)
+    loop = asyncio.get_running_loop()
+    first = rv.arrive(0, SUM, 1, stall_after=0.01)
+    assert len(watched) == 1 and watched[0] >= loop.time() - 1
+    started = rv.pending()[0][4]
+    assert rv.due_stalls(started)[0] == []  # not yet
+    due, next_due = rv.due_stalls(started + 0.011)
+    assert [(name, number, arrived, missing) for name, number, arrived, missing, _ in due] == [
+        ("sum", 0, [0], [1])
+    ]
+    assert next_due == pytest.approx(started + 0.02)  # then at doubling intervals
+    assert rv.due_stalls(started + 0.015)[0] == []
+    assert len(rv.due_stalls(started + 0.021)[0]) == 1
+    second = rv.arrive(1, SUM, 2)
+    assert (await first, await second) == (3, 4)
+    assert rv.completed == {"sum": 1}
+    assert rv.wait_seconds >= 0
+    assert rv.due_stalls(loop.time() + 100) == ([], float("inf"))

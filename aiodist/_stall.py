@@ -1,0 +1,134 @@
+"""Stall reports: which replica a rendezvous is waiting for, and where it is.
+
+When a collective has waited ``CommunicationOptions.stall_warning_seconds`` for
+its last replicas, one warning goes to the ``aiodist`` logger naming the
+collective and its call number, the replicas that arrived, the replicas still
+missing, and, for each missing replica, its await chain: from the replica
+function down to the innermost suspended frame, each as ``function (file:line)``.
+Reports repeat at doubling intervals while the stall lasts. They never fail the
+run: ``timeout_seconds`` does that.
+
+Cost when nothing stalls: one watchdog per event loop. A new collective call
+only compares its report time with the watchdog's next wake-up (scheduling one
+timer when the watchdog is idle); the watchdog wakes up once per threshold,
+finds nothing due, and goes idle again when no run has a call in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import weakref
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._scheduler import RunGroup
+
+__all__ = ["await_chain", "watchdog_for"]
+
+logger = logging.getLogger("aiodist")
+
+
+def await_chain(coro: Any) -> list[str]:
+    """``function (file:line)`` for each suspended frame, outermost first."""
+    chain = []
+    seen = 0
+    while coro is not None and seen < 100:
+        seen += 1
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        code = getattr(coro, "cr_code", None) or getattr(coro, "gi_code", None)
+        if frame is not None and code is not None:
+            name = getattr(code, "co_qualname", code.co_name)
+            chain.append(f"{name} ({_short(code.co_filename)}:{frame.f_lineno})")
+        inner = getattr(coro, "cr_await", None)
+        if inner is None:
+            inner = getattr(coro, "gi_yieldfrom", None)
+        coro = inner if hasattr(inner, "cr_frame") or hasattr(inner, "gi_frame") else None
+    return chain
+
+
+def _short(filename: str) -> str:
+    try:
+        relative = os.path.relpath(filename)
+    except ValueError:  # another drive (Windows)
+        return filename
+    return filename if relative.startswith("..") else relative
+
+
+class Watchdog:
+    """Looks at the runs of one event loop when a stall report may be due."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = weakref.ref(loop)
+        self.groups: set[RunGroup] = set()
+        self._handle: asyncio.TimerHandle | None = None
+        self._due = math.inf
+
+    def ensure(self, when: float) -> None:
+        """Wake up no later than loop time ``when``."""
+        if when >= self._due:
+            return
+        loop = self._loop()
+        if loop is None or loop.is_closed():
+            return
+        if self._handle is not None:
+            self._handle.cancel()
+        self._due = when
+        self._handle = loop.call_at(when, self._tick)
+
+    def _tick(self) -> None:
+        self._handle, self._due = None, math.inf
+        loop = self._loop()
+        if loop is None:
+            return
+        now = loop.time()
+        next_due = math.inf
+        for group in list(self.groups):
+            rendezvous = group._rendezvous
+            if rendezvous is None:
+                continue
+            due, group_next = rendezvous.due_stalls(now)
+            for name, number, arrived, missing, started in due:
+                logger.warning(_report(group, name, number, arrived, missing, now - started))
+            next_due = min(next_due, group_next)
+        if next_due < math.inf:
+            self.ensure(next_due)
+
+
+def _replicas(ids: list[int]) -> str:
+    word = "replica" if len(ids) == 1 else "replicas"
+    return f"{word} {', '.join(map(str, ids)) or 'none'}"
+
+
+def _report(
+    group: RunGroup, name: str, number: int, arrived: list, missing: list, waited: float
+) -> str:
+    lines = [
+        f"{name} #{number} has waited {waited:.1f} s: {_replicas(arrived)} arrived, "
+        f"{_replicas(missing)} missing. Where the missing replicas are now:"
+    ]
+    for replica in missing:
+        task = group._tasks[replica] if replica < len(group._tasks) else None
+        if task is None or task.done():
+            lines.append(f"  replica {replica}: finished")
+            continue
+        chain = await_chain(task.get_coro())
+        lines.append(f"  replica {replica}:")
+        lines.extend(f"    {entry}" for entry in chain or ["(not started yet)"])
+    lines.append(
+        "This is a warning, not an error; set CommunicationOptions(timeout_seconds=...) to "
+        "fail instead, or stall_warning_seconds=None to silence it."
+    )
+    return "\n".join(lines)
+
+
+_watchdogs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def watchdog_for(loop: asyncio.AbstractEventLoop) -> Watchdog:
+    watchdog = _watchdogs.get(loop)
+    if watchdog is None:
+        watchdog = _watchdogs[loop] = Watchdog(loop)
+    return watchdog

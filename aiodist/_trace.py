@@ -1,0 +1,179 @@
+"""``aiodist.trace(path)``: a timeline of runs, as a Chrome trace event file.
+
+While a trace is recorded, aiodist notes each replica's span, every rendezvous
+(each replica's arrival and how long it waited), the cross-replica work of each
+collective or merge_fn, and input prefetching. The file is the Chrome trace
+event JSON format, which Perfetto (ui.perfetto.dev) and chrome://tracing open
+directly; each replica is a track ("replica 0", "replica 1", ...), beside a
+"cross-replica" and an "input" track.
+
+Recording is process-wide (one trace at a time). When no trace is recorded the
+hooks cost one module-attribute read each, at run start, arrival and completion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ._errors import ContextError
+
+__all__ = ["CROSS_REPLICA_TRACK", "INPUT_TRACK", "Tracer", "replica_track", "trace"]
+
+CROSS_REPLICA_TRACK = 0
+INPUT_TRACK = 100_000
+
+active: Tracer | None = None  # the trace being recorded, if any
+
+
+def replica_track(replica: int) -> int:
+    return replica + 1
+
+
+class Tracer:
+    """Collects trace events in memory; ``write`` saves them."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.pid = os.getpid()
+        self._start = time.perf_counter_ns()
+        self._events: list[dict] = []
+        self._tracks: set[int] = set()
+        self._lock = threading.Lock()  # prefetch threads may record too
+        self._runs = 0
+
+    def now(self) -> float:
+        """Microseconds since the trace started."""
+        return (time.perf_counter_ns() - self._start) / 1000
+
+    def next_run(self) -> int:
+        self._runs += 1
+        return self._runs
+
+    def _track(self, track: int) -> None:
+        if track in self._tracks:
+            return
+        self._tracks.add(track)
+        if track == CROSS_REPLICA_TRACK:
+            name = "cross-replica"
+        elif track == INPUT_TRACK:
+            name = "input"
+        else:
+            name = f"replica {track - 1}"
+        self._events.append(
+            {
+                "ph": "M",
+                "name": "thread_name",
+                "pid": self.pid,
+                "tid": track,
+                "args": {"name": name},
+            }
+        )
+        self._events.append(
+            {
+                "ph": "M",
+                "name": "thread_sort_index",
+                "pid": self.pid,
+                "tid": track,
+                "args": {"sort_index": track},
+            }
+        )
+
+    def span(
+        self, name: str, category: str, track: int, start: float, end: float, **args: Any
+    ) -> None:
+        """A complete event ("X") from ``start`` to ``end`` (microseconds)."""
+        with self._lock:
+            self._track(track)
+            self._events.append(
+                {
+                    "ph": "X",
+                    "name": name,
+                    "cat": category,
+                    "pid": self.pid,
+                    "tid": track,
+                    "ts": start,
+                    "dur": max(0.0, end - start),
+                    "args": args,
+                }
+            )
+
+    def instant(self, name: str, category: str, track: int, at: float, **args: Any) -> None:
+        """An instant event ("i") on one track."""
+        with self._lock:
+            self._track(track)
+            self._events.append(
+                {
+                    "ph": "i",
+                    "s": "t",
+                    "name": name,
+                    "cat": category,
+                    "pid": self.pid,
+                    "tid": track,
+                    "ts": at,
+                    "args": args,
+                }
+            )
+
+    def write(self) -> Path:
+        with self._lock:
+            document = {
+                "traceEvents": [
+                    {
+                        "ph": "M",
+                        "name": "process_name",
+                        "pid": self.pid,
+                        "args": {"name": "aiodist"},
+                    },
+                    *self._events,
+                ],
+                "displayTimeUnit": "ms",
+            }
+        self.path.write_text(json.dumps(document))
+        return self.path
+
+
+class trace:
+    """Record a timeline of every run while the block runs; write it to ``path``.
+
+    ``with aiodist.trace("trace.json"): ...`` or ``async with``: the async form
+    writes the file in a thread, so the event loop is not held.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.tracer: Tracer | None = None
+
+    def _start(self) -> Tracer:
+        global active
+        if active is not None:
+            raise ContextError(
+                f"a trace is already being recorded (to {str(active.path)!r}); traces are "
+                "process-wide: finish that one first."
+            )
+        self.tracer = active = Tracer(self.path)
+        return self.tracer
+
+    def _stop(self) -> Tracer:
+        global active
+        tracer, active = self.tracer, None
+        assert tracer is not None
+        return tracer
+
+    def __enter__(self) -> Tracer:
+        return self._start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop().write()
+
+    async def __aenter__(self) -> Tracer:
+        return self._start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        import asyncio
+
+        await asyncio.to_thread(self._stop().write)

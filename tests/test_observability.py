@@ -1,0 +1,243 @@
+"""Stall reports, traces and statistics (SPEC §11)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+
+import numpy as np
+import pytest
+
+import aiodist
+from tests.conftest import cpu_devices, wait_until
+
+pytestmark = pytest.mark.timeout(20)
+
+
+def rid() -> int:
+    return aiodist.get_replica_context().replica_id_in_sync_group
+
+
+async def stuck_in_io(event: asyncio.Event) -> None:
+    await event.wait()  # the line a stall report must point at
+
+
+async def helper(event: asyncio.Event) -> None:
+    await stuck_in_io(event)
+
+
+async def wait_for_records(caplog, count: int) -> list[logging.LogRecord]:
+    for _ in range(400):
+        records = [r for r in caplog.records if r.name == "aiodist"]
+        if len(records) >= count:
+            return records
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"expected {count} aiodist warnings, got {len(caplog.records)}")
+
+
+# -- stall reports -------------------------------------------------------------------
+
+
+async def test_stall_report_names_missing_replica_and_where_it_waits(caplog):
+    caplog.set_level(logging.WARNING, logger="aiodist")
+    options = aiodist.CommunicationOptions(stall_warning_seconds=0.05)
+    strategy = aiodist.MirroredStrategy(cpu_devices(3), communication_options=options)
+    release = asyncio.Event()
+
+    async def fn():
+        if rid() == 1:
+            await helper(release)
+        return await aiodist.get_replica_context().all_reduce("sum", 1.0)
+
+    run = asyncio.create_task(strategy.run(fn))
+    [record] = await wait_for_records(caplog, 1)
+    release.set()
+    await run
+    message = record.getMessage()
+    assert record.levelno == logging.WARNING
+    assert message.startswith("all_reduce #0 has waited 0.")
+    assert "replicas 0, 2 arrived, replica 1 missing" in message
+    lines = message.splitlines()
+    where = lines.index("  replica 1:")
+    chain = [line.strip() for line in lines[where + 1 : where + 4]]
+    assert chain[0].startswith("test_stall_report_names_missing_replica_and_where_it_waits.")
+    assert chain[0].endswith(")") and "tests/test_observability.py:" in chain[0]
+    assert chain[1].startswith("helper (tests/test_observability.py:")
+    assert chain[2].startswith("stuck_in_io (tests/test_observability.py:")
+
+
+async def test_stall_reports_repeat_at_growing_intervals_and_never_fail(caplog):
+    caplog.set_level(logging.WARNING, logger="aiodist")
+    strategy = aiodist.MirroredStrategy(cpu_devices(2))
+    options = aiodist.CommunicationOptions(stall_warning_seconds=0.03)  # per call
+    release = asyncio.Event()
+
+    async def fn():
+        if rid() == 0:
+            await release.wait()
+        return (
+            await aiodist.get_replica_context().merge_call(lambda s: "ok")
+            if rid() == 0
+            else (await aiodist.get_replica_context().all_reduce("sum", 1.0, options=options))
+        )
+
+    run = asyncio.create_task(strategy.run(fn))
+    records = await wait_for_records(caplog, 3)  # after 0.03, 0.06 and 0.12 s
+    waits = [float(r.getMessage().split("waited ")[1].split(" s")[0]) for r in records[:3]]
+    assert waits == sorted(waits) and waits[2] >= 0.1
+    release.set()
+    with pytest.raises(aiodist.CollectiveMismatchError):  # the stall itself never failed it
+        await run
+
+
+async def test_no_report_when_nothing_stalls(caplog):
+    caplog.set_level(logging.WARNING, logger="aiodist")
+    options = aiodist.CommunicationOptions(stall_warning_seconds=0.03)
+    strategy = aiodist.MirroredStrategy(cpu_devices(4), communication_options=options)
+
+    async def fn():
+        for _ in range(20):
+            await aiodist.get_replica_context().all_reduce("sum", 1.0)
+
+    for _ in range(5):
+        await strategy.run(fn)
+    await asyncio.sleep(0.1)  # past the threshold: the watchdog looks and finds nothing
+    assert [r for r in caplog.records if r.name == "aiodist"] == []
+
+
+def test_stall_option_validation():
+    with pytest.raises(ValueError, match=r"stall_warning_seconds=0; expected a finite number"):
+        aiodist.CommunicationOptions(stall_warning_seconds=0)
+    assert aiodist.CommunicationOptions().stall_warning_seconds == 30.0
+    assert aiodist.CommunicationOptions(stall_warning_seconds=None).stall_warning_seconds is None
+
+
+# -- statistics ----------------------------------------------------------------------
+
+
+async def test_statistics_of_a_run_blocked_mid_rendezvous():
+    strategy = aiodist.MirroredStrategy(cpu_devices(3))
+    release = asyncio.Event()
+    arrived = []
+
+    async def fn():
+        if rid() == 2:
+            await release.wait()
+        arrived.append(rid())
+        return await aiodist.get_replica_context().all_reduce("sum", np.ones(2))
+
+    empty = strategy.statistics()
+    assert (empty.runs_in_flight, empty.runs, empty.rendezvous_in_flight) == (0, 0, ())
+
+    run = asyncio.create_task(strategy.run(fn))
+    await wait_until(lambda: len(arrived) == 2, "replicas 0 and 1 in all_reduce")
+    blocked = strategy.statistics()
+    assert blocked.runs_in_flight == 1
+    [call] = blocked.rendezvous_in_flight
+    assert (call.collective, call.call_number, call.arrived, call.missing) == (
+        "all_reduce",
+        0,
+        (0, 1),
+        (2,),
+    )
+    assert "all_reduce #0 arrived=[0, 1] missing=[2]" in repr(blocked)
+    release.set()
+    await run
+
+    done = strategy.statistics()
+    assert (done.runs_in_flight, done.runs, done.rendezvous_in_flight) == (0, 1, ())
+    assert dict(done.collectives) == {"all_reduce": 1}
+    assert done.bytes_reduced == 3 * 16
+    assert done.seconds_waiting > 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        done.runs = 5
+    with pytest.raises(TypeError):
+        done.collectives["all_reduce"] = 0
+
+
+async def test_statistics_count_every_kind(two):
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        await ctx.all_reduce("sum", [1.0, 2.0])
+        await ctx.all_gather(np.ones(3), axis=0)
+        await ctx.merge_call(lambda s: None)
+
+    await two.run(fn)
+    await two.run(fn)
+    stats = two.statistics()
+    assert stats.runs == 2
+    assert dict(stats.collectives) == {"all_reduce": 2, "all_gather": 2, "merge_call": 2}
+    assert stats.bytes_reduced == 2 * (2 * 2 * 8 + 2 * 3 * 8)
+
+
+# -- traces --------------------------------------------------------------------------
+
+
+def _validate(document: dict) -> list[dict]:
+    """Checks the Chrome trace event format rules that viewers rely on."""
+    assert set(document) >= {"traceEvents"}
+    events = document["traceEvents"]
+    for event in events:
+        assert event["ph"] in {"X", "i", "M"}
+        assert isinstance(event["pid"], int) and isinstance(event["name"], str)
+        if event["ph"] != "M" or event["name"] != "process_name":
+            assert isinstance(event["tid"], int)
+        if event["ph"] in {"X", "i"}:
+            assert isinstance(event["ts"], int | float) and event["ts"] >= 0
+        if event["ph"] == "X":
+            assert event["dur"] >= 0
+    return events
+
+
+async def test_trace_file_has_tracks_and_events_per_replica(tmp_path):
+    strategy = aiodist.MirroredStrategy(cpu_devices(3))
+
+    async def fn(x):
+        ctx = aiodist.get_replica_context()
+        total = await ctx.all_reduce("sum", x)
+        await ctx.merge_call(lambda s: None)
+        return total
+
+    path = tmp_path / "trace.json"
+    with aiodist.trace(path):
+        async for batch in strategy.experimental_distribute_dataset([np.arange(6.0)] * 2):
+            await strategy.run(fn, args=(batch,))
+    events = _validate(json.loads(path.read_text()))
+
+    tracks = {e["args"]["name"]: e["tid"] for e in events if e["name"] == "thread_name"}
+    assert set(tracks) == {"replica 0", "replica 1", "replica 2", "cross-replica", "input"}
+    spans = [e for e in events if e["ph"] == "X"]
+
+    def on(track: str, name: str) -> list[dict]:
+        return [e for e in spans if e["tid"] == tracks[track] and e["name"] == name]
+
+    for replica in range(3):
+        track = f"replica {replica}"
+        assert len(on(track, "run 1")) == 1 and len(on(track, "run 2")) == 1
+        assert len(on(track, "wait all_reduce #0")) == 2
+        assert len(on(track, "wait merge_call #1")) == 2
+        arrivals = [e for e in events if e["ph"] == "i" and e["tid"] == tracks[track]]
+        assert {e["name"] for e in arrivals} == {"arrive all_reduce #0", "arrive merge_call #1"}
+    assert len(on("cross-replica", "all_reduce #0")) == 2
+    assert len(on("cross-replica", "merge_call #1")) == 2
+    assert len(on("input", "prefetch")) >= 2
+    run = on("replica 0", "run 1")[0]
+    wait = on("replica 0", "wait all_reduce #0")[0]
+    assert run["ts"] <= wait["ts"] <= wait["ts"] + wait["dur"] <= run["ts"] + run["dur"] + 1
+
+
+async def test_async_trace_and_one_trace_at_a_time(tmp_path, two):
+    async def fn():
+        return await aiodist.get_replica_context().all_reduce("sum", 1.0)
+
+    async with aiodist.trace(tmp_path / "a.json"):
+        await two.run(fn)
+        with pytest.raises(aiodist.ContextError, match=r"already being recorded"):
+            with aiodist.trace(tmp_path / "b.json"):
+                pass
+    events = _validate(json.loads((tmp_path / "a.json").read_text()))
+    assert any(e["name"] == "all_reduce #0" for e in events)
+    await two.run(fn)  # not recording any more
+    assert not (tmp_path / "b.json").exists()
