@@ -44,6 +44,7 @@ import asyncio
 import math
 from asyncio import get_running_loop
 from collections.abc import Callable, Hashable, Sequence
+from time import perf_counter
 from typing import Any, NamedTuple
 
 from ._errors import (
@@ -114,7 +115,7 @@ class _Call:
         self.number = number
         self.name = first.name
         self.first = first  # the first arrival's signature, which the others must match
-        self.started = started  # loop time of the first arrival
+        self.started = started  # time.perf_counter() of the first arrival
         self.stall_after: float | None = None
         self.next_warning = 0.0  # seconds after `started` of the next stall report
         self.arrivals: dict[int, tuple[Signature, Any]] = {}
@@ -146,7 +147,7 @@ class Rendezvous:
     ):
         self.num_replicas = num_replicas
         self._execute = execute
-        # watch(when): a new call may stall; look at it again at loop time `when`.
+        # watch(when): a new call may stall; look at it again at perf_counter() `when`.
         self._watch = watch
         self._next_number = [0] * num_replicas
         self._pending: dict[int, _Call] = {}
@@ -188,7 +189,7 @@ class Rendezvous:
 
         call = self._pending.get(number)
         if call is None:
-            now = loop.time()
+            now = perf_counter()  # not loop.time(): uvloop's clock ticks in milliseconds
             call = self._pending[number] = _Call(number, signature, now)
             if timeout is not None:
                 call.timeout = timeout
@@ -241,8 +242,8 @@ class Rendezvous:
         self._pending.clear()
 
     def pending(self) -> list[tuple[str, int, list[int], list[int], float]]:
-        """(name, call number, arrived, missing, loop time of the first arrival) for
-        every call in flight."""
+        """(name, call number, arrived, missing, perf_counter() of the first arrival)
+        for every call in flight."""
         everyone = range(self.num_replicas)
         return [
             (
@@ -257,8 +258,8 @@ class Rendezvous:
         ]
 
     def due_stalls(self, now: float) -> tuple[list[tuple[str, int, list, list, float]], float]:
-        """Calls in flight whose next stall report is due at loop time ``now``, as
-        ``pending()`` rows, and the loop time of the next report after those.
+        """Calls in flight whose next stall report is due at ``now`` (perf_counter), as
+        ``pending()`` rows, and the time of the next report after those.
 
         Each call is reported after ``stall_after`` seconds, then at doubling
         intervals (2x, 4x, ...), so a long stall does not flood the log.
@@ -285,7 +286,7 @@ class Rendezvous:
         arrivals = call.arrivals
         payloads = [arrivals[r][1] for r in range(self.num_replicas)]
         self.completed[call.name] = self.completed.get(call.name, 0) + 1
-        self.wait_seconds += get_running_loop().time() - call.started
+        self.wait_seconds += perf_counter() - call.started
         try:
             results = self._execute(call.number, signature, payloads)
         except asyncio.CancelledError as exc:

@@ -139,6 +139,7 @@ class RunGroup:
         self._cancelling = False  # set once this run cancels its replicas
         self._base: contextvars.Context | None = None
         self._run_id = 0  # this run's number in the trace being recorded, if any
+        self._arrivals: dict[tuple[int, int], float] = {}  # (call, replica) -> time (tracing)
 
     def __repr__(self) -> str:
         return f"<RunGroup replicas={self.num_replicas} {self._rendezvous!r}>"
@@ -169,26 +170,30 @@ class RunGroup:
         self, replica_id: int, signature: Signature, payload: Any, options: CommunicationOptions
     ) -> asyncio.Future:
         rendezvous = self._rendezvous or self.rendezvous
-        future = rendezvous.arrive(
+        if _trace.active is not None:  # before arriving: the last arrival completes the call
+            number = rendezvous._next_number[replica_id]
+            self._trace_arrival(_trace.active, replica_id, signature, number)
+        return rendezvous.arrive(
             replica_id, signature, payload, options.timeout_seconds, options.stall_warning_seconds
         )
-        if _trace.active is not None:
-            self._trace_wait(_trace.active, replica_id, signature, future)
-        return future
 
-    def _trace_wait(
-        self, tracer: Tracer, replica_id: int, signature: Signature, future: asyncio.Future
+    def _trace_arrival(
+        self, tracer: Tracer, replica_id: int, signature: Signature, number: int
     ) -> None:
+        """Note a replica's arrival; its wait span is written when the call completes."""
         arrived = tracer.now()
-        track = replica_track(replica_id)
-        number = self.rendezvous._next_number[replica_id] - 1
         label = f"{signature.name} #{number}"
+        track = replica_track(replica_id)
         tracer.instant(f"arrive {label}", "rendezvous", track, arrived, run=self._run_id)
+        self._arrivals[number, replica_id] = arrived
 
-        def delivered(_: asyncio.Future) -> None:
-            tracer.span(f"wait {label}", "rendezvous", track, arrived, tracer.now())
-
-        future.add_done_callback(delivered)
+    def _trace_waits(self, tracer: Tracer, number: int, label: str, completed: float) -> None:
+        """Each replica waited in call ``number`` from its arrival until ``completed``."""
+        for replica in range(self.num_replicas):
+            arrived = self._arrivals.pop((number, replica), None)
+            if arrived is not None:
+                track = replica_track(replica)
+                tracer.span(f"wait {label}", "rendezvous", track, arrived, completed)
 
     # -- the run ----------------------------------------------------------------------
 
@@ -358,15 +363,17 @@ class RunGroup:
         label = f"{signature.name} #{number}"
 
         def done(_: object = None) -> None:
+            end = tracer.now()
             tracer.span(
                 label,
                 "collective",
                 CROSS_REPLICA_TRACK,
                 start,
-                tracer.now(),
+                end,
                 run=self._run_id,
                 replicas=self.num_replicas,
             )
+            self._trace_waits(tracer, number, label, end)
 
         if isinstance(result, asyncio.Future):
             result.add_done_callback(done)

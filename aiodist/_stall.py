@@ -20,6 +20,7 @@ import asyncio
 import logging
 import math
 import os
+import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -67,7 +68,7 @@ class Watchdog:
         self._due = math.inf
 
     def ensure(self, when: float) -> None:
-        """Wake up no later than loop time ``when``."""
+        """Wake up no later than ``when`` (a ``time.perf_counter()`` value)."""
         if when >= self._due:
             return
         loop = self._loop()
@@ -76,14 +77,14 @@ class Watchdog:
         if self._handle is not None:
             self._handle.cancel()
         self._due = when
-        self._handle = loop.call_at(when, self._tick)
+        self._handle = loop.call_later(max(0.0, when - time.perf_counter()), self._tick)
 
     def _tick(self) -> None:
         self._handle, self._due = None, math.inf
         loop = self._loop()
         if loop is None:
             return
-        now = loop.time()
+        now = time.perf_counter()
         next_due = math.inf
         for group in list(self.groups):
             rendezvous = group._rendezvous

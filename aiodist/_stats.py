@@ -78,7 +78,7 @@ class Counters:
         self.bytes_reduced += group.bytes_reduced
 
 
-def snapshot(counters: Counters, live_groups: Iterable[Any], now: float | None) -> Statistics:
+def snapshot(counters: Counters, live_groups: Iterable[Any], now: float) -> Statistics:
     """Totals of finished runs plus what the runs still in flight have done so far."""
     collectives = dict(counters.collectives)
     bytes_reduced, waiting = counters.bytes_reduced, counters.seconds_waiting
@@ -93,7 +93,7 @@ def snapshot(counters: Counters, live_groups: Iterable[Any], now: float | None) 
             collectives[name] = collectives.get(name, 0) + count
         waiting += rendezvous.wait_seconds
         for name, number, arrived, missing, started in rendezvous.pending():
-            waited = 0.0 if now is None else max(0.0, now - started)
+            waited = max(0.0, now - started)
             in_flight.append(
                 RendezvousInFlight(name, number, tuple(arrived), tuple(missing), waited)
             )

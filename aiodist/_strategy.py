@@ -8,9 +8,9 @@ strategy serves any number of concurrent runs and outlives event loops.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import operator
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -251,11 +251,7 @@ class Strategy:
         ``repr()`` of the snapshot shows every rendezvous in flight with the
         replicas that arrived and the ones still missing.
         """
-        try:
-            now: float | None = asyncio.get_running_loop().time()
-        except RuntimeError:
-            now = None
-        return snapshot(self._counters, self._live_groups, now)
+        return snapshot(self._counters, self._live_groups, time.perf_counter())
 
     def scope(self) -> contextlib.AbstractContextManager[Strategy]:
         """Make this strategy current and enter cross-replica context (``with``)."""

@@ -24,8 +24,10 @@ from ._errors import ContextError
 
 __all__ = ["CROSS_REPLICA_TRACK", "INPUT_TRACK", "Tracer", "replica_track", "trace"]
 
-CROSS_REPLICA_TRACK = 0
-INPUT_TRACK = 100_000
+# Track (thread) ids: replica i is i + 1; tid 0 would be shown as a "main thread".
+CROSS_REPLICA_TRACK = 100_000
+INPUT_TRACK = 100_001
+_SORT = {CROSS_REPLICA_TRACK: 0, INPUT_TRACK: 1_000_000}
 
 active: Tracer | None = None  # the trace being recorded, if any
 
@@ -79,7 +81,7 @@ class Tracer:
                 "name": "thread_sort_index",
                 "pid": self.pid,
                 "tid": track,
-                "args": {"sort_index": track},
+                "args": {"sort_index": _SORT.get(track, track)},
             }
         )
 

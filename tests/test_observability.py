@@ -175,6 +175,21 @@ async def test_statistics_count_every_kind(two):
 # -- traces --------------------------------------------------------------------------
 
 
+def _nested_per_track(events: list[dict]) -> None:
+    """Complete events on one track must nest (Perfetto drops ones that overlap)."""
+    by_track: dict[int, list] = {}
+    for e in events:
+        if e["ph"] == "X":
+            by_track.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    for track, spans in by_track.items():
+        open_spans: list = []
+        for start, end, name in sorted(spans):
+            while open_spans and open_spans[-1][1] <= start:
+                open_spans.pop()
+            assert not open_spans or end <= open_spans[-1][1], (track, open_spans[-1], name)
+            open_spans.append((start, end, name))
+
+
 def _validate(document: dict) -> list[dict]:
     """Checks the Chrome trace event format rules that viewers rely on."""
     assert set(document) >= {"traceEvents"}
@@ -188,6 +203,7 @@ def _validate(document: dict) -> list[dict]:
             assert isinstance(event["ts"], int | float) and event["ts"] >= 0
         if event["ph"] == "X":
             assert event["dur"] >= 0
+    _nested_per_track(events)
     return events
 
 
