@@ -40,6 +40,7 @@ ROWS = [
     ("d_all_reduce_64MiB", "(d) all_reduce 64 MiB", "step"),
     ("e_batched_100x1KiB", "(e) 100 x 1 KiB batched", "step"),
     ("f_concurrent_64", "(f) 64 concurrent (b)", "run"),
+    ("g_b_while_tracing", "(g) (b) while tracing", "step"),
 ]
 
 
@@ -76,6 +77,7 @@ async def _measure_all(n: int, steps: dict) -> dict:
         "d_all_reduce_64MiB": await w.measure_d(n, 64, d[64]),
         "e_batched_100x1KiB": await w.measure_e(n, steps["e"]),
         "f_concurrent_64": await w.measure_f(n, steps["f"]),
+        "g_b_while_tracing": await w.measure_b_traced(n, steps["abc"]),
     }
 
 
@@ -145,6 +147,8 @@ def _table(report: dict) -> str:
                 base = per_n[best]["floor_a"]
             elif key[:2] in ("b_", "c_"):
                 base = per_n[best]["floor_bc"]
+            elif key.startswith("g_"):
+                base = per_n[best]["b_all_reduce_scalar"]
             elif key.startswith("d_"):
                 mib = int(key.split("_")[-1].removesuffix("MiB"))
                 base = per_n["numpy"][f"numpy_{mib}MiB"]
@@ -171,8 +175,9 @@ def _table(report: dict) -> str:
         lines.append("")
     lines.append(
         "baseline: (a) N bare tasks; (b)(c) N bare tasks meeting at one future; "
-        "(d) single-threaded np.add.reduce over the N arrays. 'x baseline' = aiodist "
-        f"time / baseline time; 'vs TF ...' = TF time / aiodist time (above 1x, aiodist "
+        "(d) single-threaded np.add.reduce over the N arrays; (g) (b) not tracing. "
+        "'x baseline' = aiodist time / baseline time; "
+        "'vs TF ...' = TF time / aiodist time (above 1x, aiodist "
         f"is faster); both use the {best} column."
     )
     return "\n".join(lines)

@@ -8,7 +8,9 @@ loop and returns seconds per step. Workloads (issue 6):
 (c) one ``merge_call`` whose merge_fn awaits ``strategy.reduce(SUM, v, axis=None)``;
 (d) ``all_reduce(SUM, x)`` of 1/16/64 MiB float32 per replica;
 (e) one batched ``all_reduce`` of 100 float32 tensors of 1 KiB;
-(f) 64 concurrent ``strategy.run`` calls each doing (b): seconds per run.
+(f) 64 concurrent ``strategy.run`` calls each doing (b): seconds per run;
+(g) (b) while a trace is recorded: the cost of tracing (with tracing off, (b)
+    itself carries every hook, so (b) is also the "tracing off" figure).
 
 Baselines measured in the same process:
 
@@ -81,6 +83,16 @@ async def measure_b(n: int, steps: int) -> float:
         return await aiodist.get_replica_context().all_reduce("sum", one)
 
     return await _timed(lambda: strategy.run(fn), steps)
+
+
+async def measure_b_traced(n: int, steps: int) -> float:
+    """(b) while ``aiodist.trace`` records (the file goes to a temporary directory)."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as folder:
+        with aiodist.trace(Path(folder) / "trace.json"):
+            return await measure_b(n, steps)
 
 
 async def measure_c(n: int, steps: int) -> float:
