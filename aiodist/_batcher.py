@@ -1,0 +1,351 @@
+"""Request batching for distributed inference inside async servers.
+
+A ``Batcher`` turns many concurrent single requests into few global batches:
+
+- ``await batcher.submit(rows)`` queues one request (a 2-D array of rows) and
+  returns exactly its own output rows;
+- a batching task waits for the first request, then up to ``max_wait_seconds``
+  for more (never more than ``max_batch_size`` rows), concatenates them, splits
+  the batch across the replicas (``strategy.run``), and hands each caller its
+  slice of the result;
+- admission is bounded: when ``max_queue_rows`` rows are already waiting,
+  ``submit`` raises ``Overloaded`` at once instead of queueing without limit;
+- a caller cancelled while queued (its client went away) is dropped from the
+  batch; one cancelled while its batch runs just does not get the result; the
+  others never notice either;
+- if the step raises, every caller of that batch gets the exception, and the
+  batcher goes on serving;
+- ``start()`` warms up (devices, a first run) and starts the batching task;
+  ``stop(deadline)`` stops admitting, lets queued and running batches finish
+  within ``deadline`` seconds, then cancels what is left. ``lifespan()`` wraps
+  both for an ASGI lifespan (Starlette's ``lifespan=``); aiohttp can call
+  ``start``/``stop`` from ``on_startup``/``on_cleanup``.
+
+No web framework is imported here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from ._errors import AiodistError, InvalidArgumentError
+from ._input import split_batch
+from ._values import PerReplica
+
+__all__ = ["Batcher", "BatcherStats", "NotServing", "Overloaded"]
+
+
+class Overloaded(AiodistError, RuntimeError):
+    """The batcher's queue is full: retry later (an HTTP server answers 503)."""
+
+
+class NotServing(AiodistError, RuntimeError):
+    """The batcher is not accepting requests (not started yet, or stopping)."""
+
+
+class _Request:
+    __slots__ = ("future", "rows", "submitted")
+
+    def __init__(self, rows: np.ndarray, future: asyncio.Future):
+        self.rows = rows
+        self.future = future
+        self.submitted = time.perf_counter()
+
+
+class BatcherStats:
+    """Counters and recent latencies of a batcher (``batcher.stats()``)."""
+
+    def __init__(
+        self,
+        requests: int,
+        batches: int,
+        rows: int,
+        rejected: int,
+        failed: int,
+        latencies: list[float],
+    ):
+        self.requests = requests
+        self.batches = batches
+        self.rows = rows
+        self.rejected = rejected
+        self.failed = failed
+        self.mean_batch_size = rows / batches if batches else 0.0
+        ordered = sorted(latencies)
+
+        def percentile(p: float) -> float:
+            if not ordered:
+                return 0.0
+            return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
+
+        self.latency_seconds = {"p50": percentile(50), "p90": percentile(90), "p99": percentile(99)}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "batches": self.batches,
+            "rows": self.rows,
+            "mean_batch_size": self.mean_batch_size,
+            "rejected": self.rejected,
+            "failed": self.failed,
+            "latency_ms": {k: v * 1e3 for k, v in self.latency_seconds.items()},
+        }
+
+
+class Batcher:
+    """Coalesce concurrent requests into global batches run across replicas.
+
+    Args:
+        strategy: the strategy whose replicas run the step.
+        step_fn: ``async def step_fn(rows)`` run once per replica on that
+            replica's share of the batch rows; returns an array with one row
+            per input row.
+        max_batch_size: most rows in one global batch.
+        max_wait_seconds: how long the first request of a batch may wait for
+            company.
+        max_queue_rows: most rows waiting; beyond, ``submit`` raises
+            ``Overloaded``.
+        max_batches_in_flight: batches running at once (each is one
+            ``strategy.run``).
+    """
+
+    def __init__(
+        self,
+        strategy: Any,
+        step_fn: Callable[[Any], Awaitable[Any]],
+        *,
+        max_batch_size: int = 64,
+        max_wait_seconds: float = 0.002,
+        max_queue_rows: int = 4096,
+        max_batches_in_flight: int = 2,
+    ):
+        for name, value in (
+            ("max_batch_size", max_batch_size),
+            ("max_queue_rows", max_queue_rows),
+            ("max_batches_in_flight", max_batches_in_flight),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{name}={value!r}; expected an int >= 1.")
+        if not isinstance(max_wait_seconds, int | float) or max_wait_seconds < 0:
+            raise InvalidArgumentError(
+                f"max_wait_seconds={max_wait_seconds!r}; expected a number of seconds >= 0."
+            )
+        self.strategy = strategy
+        self.step_fn = step_fn
+        self.max_batch_size = max_batch_size
+        self.max_wait_seconds = float(max_wait_seconds)
+        self.max_queue_rows = max_queue_rows
+        self.max_batches_in_flight = max_batches_in_flight
+        self._queue: deque[_Request] = deque()
+        self._queued_rows = 0
+        self._accepting = False
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._running: set[asyncio.Task] = set()
+        self._slots: asyncio.Semaphore | None = None
+        self._requests = self._batches = self._rows = self._rejected = self._failed = 0
+        self._latencies: deque[float] = deque(maxlen=10_000)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def start(self, warmup_rows: np.ndarray | None = None) -> None:
+        """Warm up (one run of ``warmup_rows``, if given) and start batching."""
+        if self._loop_task is not None:
+            return
+        if warmup_rows is not None:
+            await self._run_batch(np.asarray(warmup_rows))
+        self._wakeup = asyncio.Event()
+        self._slots = asyncio.Semaphore(self.max_batches_in_flight)
+        self._accepting = True
+        self._loop_task = asyncio.get_running_loop().create_task(
+            self._batching(), name="aiodist-batcher"
+        )
+
+    async def stop(self, deadline: float = 10.0) -> None:
+        """Stop admitting; finish queued and running batches within ``deadline`` seconds,
+        then cancel what is left (those callers get ``NotServing``)."""
+        self._accepting = False
+        task = self._loop_task
+        if task is None:
+            return
+        assert self._wakeup is not None
+        self._wakeup.set()
+        end = time.perf_counter() + deadline
+        # The batching loop drains the queue (starting batches as it goes), then the
+        # batches it started finish; both within the deadline.
+        await asyncio.wait({task}, timeout=deadline)
+        if self._running:
+            await asyncio.wait(set(self._running), timeout=max(0.0, end - time.perf_counter()))
+        for leftover in (task, *self._running):
+            if not leftover.done():
+                leftover.cancel()
+        await asyncio.gather(task, *self._running, return_exceptions=True)
+        while self._queue:
+            request = self._queue.popleft()
+            if not request.future.done():
+                request.future.set_exception(
+                    NotServing("the batcher stopped before this request ran; retry elsewhere.")
+                )
+        self._queued_rows = 0
+        self._loop_task = None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(
+        self, app: Any = None, *, warmup_rows: Any = None, deadline: float = 10.0
+    ) -> AsyncIterator[None]:
+        """``start`` on entry, ``stop(deadline)`` on exit: an ASGI lifespan."""
+        await self.start(warmup_rows)
+        try:
+            yield
+        finally:
+            await self.stop(deadline)
+
+    # -- requests ------------------------------------------------------------------------
+
+    async def submit(self, rows: Any) -> np.ndarray:
+        """Run ``rows`` (a 2-D array, one request) and return its output rows."""
+        if not self._accepting:
+            raise NotServing("the batcher is not accepting requests (not started, or stopping).")
+        rows = np.asarray(rows)
+        if rows.ndim != 2 or len(rows) == 0:
+            raise InvalidArgumentError(
+                f"submit: rows of shape {rows.shape}; expected a 2-D array with at least one row."
+            )
+        if self._queued_rows + len(rows) > self.max_queue_rows:
+            self._rejected += 1
+            raise Overloaded(
+                f"{self._queued_rows} rows are already queued (max_queue_rows="
+                f"{self.max_queue_rows}); retry later."
+            )
+        future = asyncio.get_running_loop().create_future()
+        request = _Request(rows, future)
+        self._queue.append(request)
+        self._queued_rows += len(rows)
+        assert self._wakeup is not None
+        self._wakeup.set()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            future.cancel()  # still queued: the batching loop will skip it
+            raise
+
+    @property
+    def queued_rows(self) -> int:
+        """Rows waiting for a batch (admission refuses beyond ``max_queue_rows``)."""
+        return self._queued_rows
+
+    def stats(self) -> BatcherStats:
+        return BatcherStats(
+            self._requests,
+            self._batches,
+            self._rows,
+            self._rejected,
+            self._failed,
+            list(self._latencies),
+        )
+
+    # -- batching ------------------------------------------------------------------------
+
+    def _take_batch(self) -> list[_Request]:
+        taken, rows = [], 0
+        while self._queue:
+            request = self._queue[0]
+            if request.future.done():  # cancelled while queued: drop it
+                self._queue.popleft()
+                self._queued_rows -= len(request.rows)
+                continue
+            if taken and rows + len(request.rows) > self.max_batch_size:
+                break
+            self._queue.popleft()
+            self._queued_rows -= len(request.rows)
+            taken.append(request)
+            rows += len(request.rows)
+        return taken
+
+    async def _batching(self) -> None:
+        assert self._wakeup is not None and self._slots is not None
+        loop = asyncio.get_running_loop()
+        while self._accepting or self._queue:
+            if not self._queue:
+                self._wakeup.clear()
+                if not self._accepting:
+                    break
+                await self._wakeup.wait()
+                continue
+            # Give the first request up to max_wait_seconds to gather company.
+            first = self._queue[0].submitted
+            while (
+                self._accepting
+                and self._queued_rows < self.max_batch_size
+                and time.perf_counter() - first < self.max_wait_seconds
+            ):
+                self._wakeup.clear()
+                remaining = self.max_wait_seconds - (time.perf_counter() - first)
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), max(0.0, remaining))
+                except TimeoutError:
+                    break
+            await self._slots.acquire()
+            batch = self._take_batch()
+            if not batch:
+                self._slots.release()
+                continue
+            task = loop.create_task(self._serve(batch))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _serve(self, batch: list[_Request]) -> None:
+        assert self._slots is not None
+        try:
+            rows = np.concatenate([request.rows for request in batch])
+            try:
+                outputs = await self._run_batch(rows)
+            except asyncio.CancelledError:  # stop() ran out of time: answer, never hang
+                for request in batch:
+                    if not request.future.done():
+                        request.future.set_exception(
+                            NotServing(
+                                "the batcher stopped before this request's batch finished; "
+                                "retry elsewhere."
+                            )
+                        )
+                raise
+            except Exception as exc:
+                self._failed += 1
+                for request in batch:
+                    if not request.future.done():
+                        request.future.set_exception(exc)
+                return
+            self._batches += 1
+            self._rows += len(rows)
+            now = time.perf_counter()
+            offset = 0
+            for request in batch:
+                size = len(request.rows)
+                if not request.future.done():
+                    request.future.set_result(outputs[offset : offset + size])
+                    self._requests += 1
+                    self._latencies.append(now - request.submitted)
+                offset += size
+        finally:
+            self._slots.release()
+
+    async def _run_batch(self, rows: np.ndarray) -> np.ndarray:
+        n = self.strategy.num_replicas_in_sync
+        shards = split_batch(rows, n)
+        inputs = shards[0] if n == 1 else PerReplica(shards)
+        result = await self.strategy.run(self.step_fn, args=(inputs,))
+        parts = self.strategy.experimental_local_results(result)
+        outputs = np.concatenate([np.asarray(part) for part in parts])
+        if len(outputs) != len(rows):
+            raise InvalidArgumentError(
+                f"the step returned {len(outputs)} rows for a batch of {len(rows)}; it must "
+                "return one output row per input row."
+            )
+        return outputs

@@ -1,0 +1,188 @@
+"""Distributed inference behind HTTP: Starlette under uvicorn, batched across replicas.
+
+    pip install '.[serve]'
+    python examples/serve.py --port 8000 --devices cpu:0,cpu:1,cpu:2,cpu:3
+
+    curl -s localhost:8000/predict -d '{"inputs": [[0.1, 0.2, ...16 numbers...]]}'
+
+Endpoints:
+
+- ``POST /predict`` with ``{"inputs": [[float, ...], ...]}`` (rows of ``INPUT_WIDTH``
+  numbers) answers ``{"outputs": [[float, ...], ...]}``, one row per input row;
+  bad input answers 400 with ``{"error": ...}``, overload 503.
+- ``GET /healthz``: status, model widths, replicas.
+- ``GET /metrics``: requests, batches, mean batch size, latency percentiles.
+
+The model is a small MLP whose weights are mirrored variables (one copy per
+replica), seeded, so the same input always gives the same output, whatever
+else is being served: each output row depends on its input row only (the
+products are computed row by row, never by a BLAS kernel whose summation order
+could change with the batch size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+from typing import Any
+
+import numpy as np
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+import aiodist
+from aiodist.serving import Batcher, NotServing, Overloaded
+
+INPUT_WIDTH = 16
+HIDDEN_WIDTH = 32
+OUTPUT_WIDTH = 4
+
+
+class MLP:
+    """relu(x W1 + b1) W2 + b2, with mirrored weights."""
+
+    def __init__(self, strategy: aiodist.Strategy, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.host = {
+            "w1": rng.normal(scale=0.5, size=(INPUT_WIDTH, HIDDEN_WIDTH)),
+            "b1": rng.normal(scale=0.1, size=HIDDEN_WIDTH),
+            "w2": rng.normal(scale=0.5, size=(HIDDEN_WIDTH, OUTPUT_WIDTH)),
+            "b2": rng.normal(scale=0.1, size=OUTPUT_WIDTH),
+        }
+        with strategy.scope():
+            self.weights = {k: aiodist.Variable(v, name=k) for k, v in self.host.items()}
+
+    @staticmethod
+    def forward(x: np.ndarray, w1: Any, b1: Any, w2: Any, b2: Any) -> np.ndarray:
+        hidden = np.maximum(np.einsum("bi,ih->bh", x, w1, optimize=False) + b1, 0.0)
+        return np.einsum("bh,ho->bo", hidden, w2, optimize=False) + b2
+
+    async def step(self, rows: np.ndarray) -> np.ndarray:
+        """One replica's share of a batch, on its own copies of the weights."""
+        w = {k: v.read_value() for k, v in self.weights.items()}
+        return self.forward(np.asarray(rows, dtype=np.float64), **w)
+
+    def reference(self, rows: Any) -> np.ndarray:
+        """The same model in plain NumPy, for checking answers."""
+        return self.forward(np.asarray(rows, dtype=np.float64), **self.host)
+
+
+class BadInput(ValueError):
+    pass
+
+
+def parse_inputs(body: bytes, max_rows: int) -> np.ndarray:
+    try:
+        document = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadInput(f"the body is not valid JSON ({exc})") from None
+    if not isinstance(document, dict) or "inputs" not in document:
+        raise BadInput('expected a JSON object {"inputs": [[number, ...], ...]}')
+    rows = document["inputs"]
+    if not isinstance(rows, list) or not rows:
+        raise BadInput('"inputs" must be a non-empty list of rows')
+    if len(rows) > max_rows:
+        raise BadInput(f'"inputs" has {len(rows)} rows; at most {max_rows} per request')
+    for i, row in enumerate(rows):
+        if not isinstance(row, list) or len(row) != INPUT_WIDTH:
+            width = len(row) if isinstance(row, list) else type(row).__name__
+            raise BadInput(f"row {i} has width {width}; every row needs {INPUT_WIDTH} numbers")
+        for j, value in enumerate(row):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise BadInput(f"row {i}, column {j} is {value!r}; expected a number")
+            if not math.isfinite(value):
+                raise BadInput(f"row {i}, column {j} is {value!r}; expected a finite number")
+    return np.asarray(rows, dtype=np.float64)
+
+
+def create_app(
+    devices: list[str],
+    *,
+    seed: int = 0,
+    max_batch_size: int = 64,
+    max_wait_seconds: float = 0.002,
+    max_queue_rows: int = 4096,
+    max_rows_per_request: int = 256,
+    shutdown_deadline: float = 10.0,
+) -> Starlette:
+    strategy = aiodist.MirroredStrategy(devices)
+    model = MLP(strategy, seed)
+    batcher = Batcher(
+        strategy,
+        model.step,
+        max_batch_size=max_batch_size,
+        max_wait_seconds=max_wait_seconds,
+        max_queue_rows=max_queue_rows,
+    )
+
+    async def predict(request: Request) -> JSONResponse:
+        try:
+            rows = parse_inputs(await request.body(), max_rows_per_request)
+        except BadInput as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        try:
+            outputs = await batcher.submit(rows)
+        except (Overloaded, NotServing) as exc:
+            return JSONResponse({"error": str(exc)}, status_code=503)
+        return JSONResponse({"outputs": outputs.tolist()})
+
+    async def healthz(request: Request) -> JSONResponse:
+        return JSONResponse(
+            {
+                "status": "ok",
+                "input_width": INPUT_WIDTH,
+                "output_width": OUTPUT_WIDTH,
+                "replicas": strategy.num_replicas_in_sync,
+                "devices": list(strategy.extended.worker_devices),
+            }
+        )
+
+    async def metrics(request: Request) -> JSONResponse:
+        return JSONResponse(batcher.stats().as_dict())
+
+    app = Starlette(
+        routes=[
+            Route("/predict", predict, methods=["POST"]),
+            Route("/healthz", healthz, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
+        lifespan=functools.partial(
+            batcher.lifespan,
+            warmup_rows=np.zeros((strategy.num_replicas_in_sync, INPUT_WIDTH)),
+            deadline=shutdown_deadline,
+        ),
+    )
+    app.state.model = model
+    app.state.batcher = batcher
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--devices", default="cpu:0,cpu:1,cpu:2,cpu:3")
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--max-wait-ms", type=float, default=2.0)
+    args = parser.parse_args(argv)
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()]
+    app = create_app(
+        devices, max_batch_size=args.max_batch_size, max_wait_seconds=args.max_wait_ms / 1e3
+    )
+    try:
+        import uvloop  # noqa: F401
+
+        loop = "uvloop"
+    except ImportError:
+        loop = "asyncio"
+    uvicorn.run(app, host=args.host, port=args.port, loop=loop, lifespan="on")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,355 @@
+"""Distributed inference in an async server (issue 7): the batcher, and the example
+server on a real ASGI stack (Starlette under uvicorn) over real sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import aiodist
+from aiodist.serving import Batcher, NotServing, Overloaded
+from tests.conftest import cpu_devices, wait_until
+from tests.test_serving_client import http
+
+pytestmark = pytest.mark.timeout(60)
+ROOT = Path(__file__).resolve().parent.parent
+
+uvicorn = pytest.importorskip("uvicorn", reason="pip install '.[serve]' for the server tests")
+_spec = importlib.util.spec_from_file_location("serve_example", ROOT / "examples" / "serve.py")
+serve = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(serve)
+
+W = np.arange(12.0).reshape(4, 3)
+
+
+async def linear(rows):
+    return np.einsum("bi,ih->bh", rows, W, optimize=False)
+
+
+# -- the batcher --------------------------------------------------------------------------
+
+
+async def test_batcher_answers_each_caller_its_own_rows(num_replicas):
+    batcher = Batcher(aiodist.MirroredStrategy(cpu_devices(num_replicas)), linear)
+    await batcher.start(np.zeros((1, 4)))
+    requests = [np.full((1 + i % 3, 4), float(i)) for i in range(300)]
+    outputs = await asyncio.gather(*(batcher.submit(r) for r in requests))
+    for request, output in zip(requests, outputs, strict=True):
+        np.testing.assert_array_equal(output, request @ W)
+    stats = batcher.stats()
+    assert stats.requests == 300 and stats.rows == sum(len(r) for r in requests)
+    assert stats.mean_batch_size > 1
+    await batcher.stop()
+
+
+async def test_cancelled_caller_is_dropped_without_disturbing_others(two):
+    gate = asyncio.Event()
+    seen: list[float] = []
+
+    async def gated(rows):
+        seen.extend(rows[:, 0].tolist())
+        await gate.wait()
+        return rows * 2
+
+    batcher = Batcher(two, gated, max_batch_size=4, max_wait_seconds=0)
+    await batcher.start()
+    first = asyncio.create_task(batcher.submit(np.full((1, 1), 1.0)))
+    await wait_until(lambda: seen, "the first batch runs")
+    gone = asyncio.create_task(batcher.submit(np.full((1, 1), 2.0)))
+    stays = asyncio.create_task(batcher.submit(np.full((1, 1), 3.0)))
+    await wait_until(lambda: batcher.queued_rows == 2, "two requests queued")
+    gone.cancel()
+    gate.set()
+    assert (await first)[0, 0] == 2.0
+    assert (await stays)[0, 0] == 6.0
+    assert gone.cancelled()
+    assert 2.0 not in seen  # dropped before its batch was built
+    await batcher.stop()
+
+
+async def test_batch_failure_reaches_every_caller_and_serving_goes_on(two):
+    async def picky(rows):
+        if (rows < 0).any():
+            raise ArithmeticError("negative input")
+        return rows
+
+    batcher = Batcher(two, picky, max_batch_size=8, max_wait_seconds=0.05)
+    await batcher.start()
+    results = await asyncio.gather(
+        batcher.submit(np.ones((1, 2))),
+        batcher.submit(-np.ones((1, 2))),
+        batcher.submit(np.ones((2, 2))),
+        return_exceptions=True,
+    )
+    assert all(isinstance(r, ArithmeticError) for r in results)
+    assert len({id(r) for r in results}) == 1  # the one exception, to every caller
+    np.testing.assert_array_equal(await batcher.submit(np.ones((1, 2))), np.ones((1, 2)))
+    assert batcher.stats().failed == 1
+    await batcher.stop()
+
+
+async def test_overload_is_immediate_and_recovers(two):
+    gate = asyncio.Event()
+    batches_run = []
+
+    async def gated(rows):
+        batches_run.append(len(rows))
+        await gate.wait()
+        return rows
+
+    batcher = Batcher(
+        two, gated, max_batch_size=2, max_queue_rows=4, max_wait_seconds=0, max_batches_in_flight=1
+    )
+    await batcher.start()
+    running = asyncio.create_task(batcher.submit(np.ones((2, 1))))
+    await wait_until(lambda: batches_run, "the first batch runs")
+    queued = [asyncio.create_task(batcher.submit(np.ones((2, 1)))) for _ in range(2)]
+    await wait_until(lambda: batcher.queued_rows == 4, "queue full")
+    started = time.perf_counter()
+    with pytest.raises(Overloaded, match=r"4 rows are already queued \(max_queue_rows=4\)"):
+        await batcher.submit(np.ones((1, 1)))
+    assert time.perf_counter() - started < 0.05  # refused at once, not after a wait
+    gate.set()
+    await asyncio.gather(running, *queued)
+    np.testing.assert_array_equal(await batcher.submit(np.ones((1, 1))), np.ones((1, 1)))
+    assert batcher.stats().rejected == 1
+    await batcher.stop()
+
+
+async def test_stop_finishes_in_flight_then_refuses(two):
+    batcher = Batcher(two, linear, max_wait_seconds=0.2)
+    await batcher.start()
+    pending = [asyncio.create_task(batcher.submit(np.ones((1, 4)))) for _ in range(10)]
+    await wait_until(lambda: batcher.queued_rows == 10, "requests queued")
+    await batcher.stop(deadline=5)
+    for task in pending:
+        np.testing.assert_array_equal(task.result(), np.ones((1, 4)) @ W)
+    with pytest.raises(NotServing):
+        await batcher.submit(np.ones((1, 4)))
+
+
+async def test_stop_deadline_cancels_what_is_left(two):
+    entered = []
+
+    async def never(rows):
+        entered.append(True)
+        await asyncio.Event().wait()
+
+    batcher = Batcher(two, never, max_wait_seconds=0)
+    await batcher.start()
+    stuck = asyncio.create_task(batcher.submit(np.ones((1, 1))))
+    await wait_until(lambda: entered, "batch started")
+    await batcher.stop(deadline=0.05)
+    with pytest.raises(NotServing, match=r"stopped before this request's batch finished"):
+        await stuck  # its batch was cancelled at the deadline: answered, not left hanging
+    assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("aiodist-")]
+
+
+def test_batcher_argument_checks(two):
+    with pytest.raises(ValueError, match=r"max_batch_size=0; expected an int >= 1"):
+        Batcher(two, linear, max_batch_size=0)
+    with pytest.raises(ValueError, match=r"max_wait_seconds=-1"):
+        Batcher(two, linear, max_wait_seconds=-1)
+
+
+# -- the example server over real sockets ---------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def running_server(**options):
+    app = serve.create_app(cpu_devices(4), **options)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on", log_level="warning")
+    )
+    task = asyncio.create_task(server.serve())
+    await wait_until(lambda: server.started or task.done(), "server started", 100_000)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield app, port, server
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 30)
+
+
+def body(rows) -> bytes:
+    return json.dumps({"inputs": rows}).encode()
+
+
+async def test_500_concurrent_requests_answered_exactly():
+    async with running_server() as (app, port, _):
+        model = app.state.model
+        rng = np.random.default_rng(7)
+        requests = [rng.normal(size=(1 + i % 4, 16)).tolist() for i in range(500)]
+        answers = await asyncio.gather(*(http(port, "POST", "/predict", body(r)) for r in requests))
+        for rows, (status, document) in zip(requests, answers, strict=True):
+            assert status == 200
+            np.testing.assert_array_equal(np.array(document["outputs"]), model.reference(rows))
+        status, metrics = await http(port, "GET", "/metrics")
+        assert status == 200 and metrics["requests"] == 500
+        assert metrics["mean_batch_size"] > 1
+        assert set(metrics["latency_ms"]) == {"p50", "p90", "p99"}
+        status, health = await http(port, "GET", "/healthz")
+        assert status == 200 and (health["input_width"], health["output_width"]) == (16, 4)
+
+
+async def test_same_input_same_output_whatever_else_is_served():
+    async with running_server() as (_, port, _):
+        probe = body([[0.5] * 16])
+        alone = (await http(port, "POST", "/predict", probe))[1]
+        noise = [body(np.full((3, 16), i / 7).tolist()) for i in range(100)]
+        mixed = await asyncio.gather(
+            *(http(port, "POST", "/predict", b) for b in [*noise[:50], probe, *noise[50:]])
+        )
+        assert mixed[50][1] == alone
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b'{"rows": [[1]]}', 'expected a JSON object {"inputs"'),
+        (b'{"inputs": 3}', "must be a non-empty list"),
+        (b'{"inputs": []}', "must be a non-empty list"),
+        (json.dumps({"inputs": [[1.0] * 15]}).encode(), "row 0 has width 15"),
+        (json.dumps({"inputs": [[1.0] * 16, "x"]}).encode(), "row 1 has width str"),
+        (json.dumps({"inputs": [[1.0] * 15 + ["a"]]}).encode(), "column 15 is 'a'"),
+        (json.dumps({"inputs": [[True] + [1.0] * 15]}).encode(), "column 0 is True"),
+        (json.dumps({"inputs": [[None] * 16]}).encode(), "column 0 is None"),
+        (b'{"inputs": [[NaN' + b", 1" * 15 + b"]]}", "expected a finite number"),
+        (json.dumps({"inputs": [[1.0] * 16] * 257}).encode(), "257 rows; at most 256"),
+    ],
+    ids=[
+        "json",
+        "key",
+        "type",
+        "empty",
+        "width",
+        "row-type",
+        "string",
+        "bool",
+        "null",
+        "nan",
+        "oversized",
+    ],
+)
+async def test_bad_input_answers_400(payload, message):
+    async with running_server() as (_, port, _):
+        status, document = await http(port, "POST", "/predict", payload)
+        assert status == 400
+        assert message in document["error"]
+
+
+async def test_overload_answers_503_and_recovers():
+    async with running_server(max_queue_rows=8, max_wait_seconds=0.05) as (_, port, _):
+        statuses = [
+            s
+            for s, _ in await asyncio.gather(
+                *(http(port, "POST", "/predict", body([[1.0] * 16])) for _ in range(100))
+            )
+        ]
+        assert statuses.count(503) > 0 and statuses.count(200) > 0
+        assert set(statuses) == {200, 503}
+        status, document = await http(port, "POST", "/predict", body([[1.0] * 16]))
+        assert status == 200 and len(document["outputs"]) == 1
+
+
+async def test_client_disconnect_does_not_disturb_others():
+    async with running_server(max_wait_seconds=0.01) as (app, port, _):
+
+        async def vanish(complete: bool) -> None:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            payload = body([[1.0] * 16] * 2)
+            head = f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: {len(payload)}\r\n\r\n"
+            writer.write(head.encode() + (payload if complete else payload[:10]))
+            await writer.drain()
+            writer.close()  # gone before the answer (or mid-body)
+
+        rows = [[float(i)] * 16 for i in range(40)]
+        results = await asyncio.gather(
+            *(vanish(i % 2 == 0) for i in range(20)),
+            *(http(port, "POST", "/predict", body([r])) for r in rows),
+        )
+        model = app.state.model
+        for row, (status, document) in zip(rows, results[20:], strict=True):
+            assert status == 200
+            np.testing.assert_array_equal(np.array(document["outputs"]), model.reference([row]))
+
+
+async def test_graceful_shutdown_completes_in_flight_requests():
+    async with running_server(max_wait_seconds=0.3) as (app, port, server):
+        rows = [[float(i)] * 16 for i in range(10)]
+        requests = [asyncio.create_task(http(port, "POST", "/predict", body([r]))) for r in rows]
+        await wait_until(lambda: app.state.batcher.queued_rows == 10, "requests queued", 100_000)
+        server.should_exit = True  # shutdown starts while they wait for their batch
+        answers = await asyncio.gather(*requests)
+    assert [status for status, _ in answers] == [200] * 10
+
+
+LOAD = """
+import asyncio, json, sys
+sys.path.insert(0, {root!r})
+from tests.test_serving_client import http
+async def main():
+    gate = asyncio.Semaphore({concurrency})
+    payload = json.dumps({{"inputs": [[0.1] * 16] * 4}}).encode()
+    async def one():
+        async with gate:
+            return (await http({port}, "POST", "/predict", payload))[0]
+    print(json.dumps(await asyncio.gather(*(one() for _ in range({total})))))
+asyncio.run(main())
+"""
+
+
+async def _load(port: int, total: int, concurrency: int) -> list[int]:
+    """A client in another process (so the server's loop, whose lag is measured, only
+    serves): ``total`` requests, ``concurrency`` at a time."""
+    script = LOAD.format(root=str(ROOT), port=port, total=total, concurrency=concurrency)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await process.communicate()
+    assert process.returncode == 0
+    return json.loads(out)
+
+
+async def test_event_loop_stays_responsive_under_load():
+    loop = asyncio.get_running_loop()
+    debug = loop.get_debug()
+    loop.set_debug(False)  # measure the loop as it runs in production, not in debug mode
+    try:
+        await _measure_lag_under_load()
+    finally:
+        loop.set_debug(debug)
+
+
+async def _measure_lag_under_load():
+    async with running_server() as (_, port, _):
+        lateness: list[float] = []
+        stop = asyncio.Event()
+
+        async def ticker():
+            while not stop.is_set():
+                before = time.perf_counter()
+                await asyncio.sleep(0.005)
+                lateness.append(time.perf_counter() - before - 0.005)
+
+        tick = asyncio.create_task(ticker())
+        statuses = await _load(port, 500, 64)
+        stop.set()
+        await tick
+        assert statuses == [200] * 500
+        lateness.sort()
+        p99 = lateness[int(0.99 * (len(lateness) - 1))]
+        assert len(lateness) > 5
+        median = statistics.median(lateness)
+        print(f"event-loop lag: p99 {p99 * 1e3:.2f} ms, median {median * 1e3:.2f} ms")
+        assert p99 < 0.020, f"p99 event-loop lag {p99 * 1e3:.1f} ms (median {median * 1e3:.1f})"

@@ -1,0 +1,27 @@
+"""A minimal HTTP/1.1 client over asyncio streams (real sockets, no dependency),
+used by the serving tests and by their load-generating subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+
+async def http(port: int, method: str, path: str, body: bytes | None = None):
+    """One HTTP/1.1 request on a fresh connection; (status, parsed JSON body)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+        if body is not None:
+            head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        writer.write(head.encode() + b"\r\n" + (body or b""))
+        await writer.drain()
+        raw = await reader.read()
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    header, _, payload = raw.partition(b"\r\n\r\n")
+    status = int(header.split(b" ", 2)[1])
+    return status, json.loads(payload)
