@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import serving
 from benchmarks import workloads as w
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     parser.add_argument("--tf-python", default=None, help="a Python with TensorFlow installed")
     parser.add_argument("--no-tf", action="store_true", help="skip the TensorFlow comparison")
+    parser.add_argument("--no-serving", action="store_true", help="skip the serving benchmark")
     args = parser.parse_args(argv)
 
     replicas = [int(n) for n in args.replicas.split(",")]
@@ -221,11 +223,24 @@ def main(argv: list[str] | None = None) -> int:
         per_n["numpy"] = _numpy_baselines(n, steps, repeats)
         report["results"][str(n)] = per_n
         report["tensorflow"][str(n)] = _tensorflow(tf_python, n, args.quick)
+    if not args.no_serving and serving.available():
+        total = 300 if args.quick else 2000
+        devices = [f"cpu:{i}" for i in range(4)]
+        with asyncio.Runner(loop_factory=loops.get("uvloop", asyncio.new_event_loop)) as runner:
+            report["serving"] = runner.run(serving.measure(devices, [1, 16, 128], total))
+    elif not args.no_serving:
+        print(
+            "starlette/uvicorn not installed: no serving benchmark (pip install '.[serve]')",
+            file=sys.stderr,
+        )
     report["seconds"] = round(time.perf_counter() - started, 1)
 
     print(f"aiodist {report['aiodist']} benchmarks, {report['date']}, {report['machine']}")
     print(f"Python {report['python']}; median of {repeats} repeats; {report['seconds']} s\n")
     print(_table(report))
+    if report.get("serving"):
+        print("\n" + serving.table(report["serving"]))
+        print("4 CPU replicas, uvloop; one row per request; the load comes from another process.")
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2))
         print(f"\nfigures written to {args.json}")

@@ -17,8 +17,8 @@ import pytest
 
 import aiodist
 from aiodist.serving import Batcher, NotServing, Overloaded
+from examples.client import http
 from tests.conftest import cpu_devices, wait_until
-from tests.test_serving_client import http
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parent.parent
@@ -297,7 +297,7 @@ async def test_graceful_shutdown_completes_in_flight_requests():
 LOAD = """
 import asyncio, json, sys
 sys.path.insert(0, {root!r})
-from tests.test_serving_client import http
+from examples.client import http
 async def main():
     gate = asyncio.Semaphore({concurrency})
     payload = json.dumps({{"inputs": [[0.1] * 16] * 4}}).encode()

@@ -1,5 +1,11 @@
-"""A minimal HTTP/1.1 client over asyncio streams (real sockets, no dependency),
-used by the serving tests and by their load-generating subprocess."""
+"""A minimal HTTP/1.1 client over asyncio streams (real sockets, no dependency).
+
+Used to talk to ``examples/serve.py`` by the serving tests and the serving
+benchmark, and handy for trying the server by hand:
+
+    python -c "import asyncio, json; from examples.client import http; \
+        print(asyncio.run(http(8000, 'GET', '/healthz')))"
+"""
 
 from __future__ import annotations
 
