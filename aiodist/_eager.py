@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import types
-from collections.abc import Coroutine, Generator
+from collections.abc import Coroutine
 from typing import Any
+
+from ._streams import step_through
 
 __all__ = ["Pending", "start_eagerly"]
 
@@ -30,28 +31,8 @@ class Pending:
         self.task = task
 
 
-@types.coroutine
-def _resume(coro: Coroutine[Any, Any, Any], yielded: Any) -> Generator[Any, Any, Any]:
-    while True:
-        try:
-            sent = yield yielded
-        except GeneratorExit:
-            coro.close()
-            raise
-        except BaseException as exc:  # CancelledError included: forwarded into coro
-            try:
-                yielded = coro.throw(exc)
-            except StopIteration as stop:
-                return stop.value
-            continue
-        try:
-            yielded = coro.send(sent)
-        except StopIteration as stop:
-            return stop.value
-
-
 async def _finish(coro: Coroutine[Any, Any, Any], yielded: Any) -> Any:
-    return await _resume(coro, yielded)
+    return await step_through(coro, yielded=yielded)
 
 
 def start_eagerly(coro: Coroutine[Any, Any, Any], context: contextvars.Context) -> Any:

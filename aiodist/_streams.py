@@ -20,35 +20,47 @@ import types
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any
 
-__all__ = ["drive"]
+__all__ = ["drive", "step_through"]
+
+
+_START = object()  # "the coroutine has not been stepped yet"
 
 
 @types.coroutine
-def _stepper(
+def step_through(
     coro: Coroutine[Any, Any, Any],
-    activate: Callable[[], object],
-    deactivate: Callable[[object], None],
+    activate: Callable[[], object] | None = None,
+    deactivate: Callable[[object], None] | None = None,
+    yielded: Any = _START,
 ) -> Generator[Any, Any, Any]:
+    """Drive ``coro`` step by step, forwarding every value and exception.
+
+    ``activate()`` / ``deactivate(token)`` bracket each step (device and stream
+    current, see above). ``yielded``: the coroutine was already stepped once
+    (``_eager.start_eagerly``) and suspended on this value; hand it to the loop
+    first, then resume the coroutine where it stopped.
+    """
     send: Any = None
     throw: BaseException | None = None
+    started = yielded is _START
     while True:
-        token = activate()
+        if not started:
+            try:
+                send, throw = (yield yielded), None
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # CancelledError included: forwarded into coro
+                send, throw = None, exc
+        started = False
+        token = activate() if activate is not None else None
         try:
-            if throw is None:
-                yielded = coro.send(send)
-            else:
-                yielded, throw = coro.throw(throw), None
+            yielded = coro.send(send) if throw is None else coro.throw(throw)
         except StopIteration as stop:
             return stop.value
         finally:
-            deactivate(token)
-        try:
-            send = yield yielded
-        except GeneratorExit:
-            coro.close()
-            raise
-        except BaseException as exc:  # CancelledError included: forwarded into coro
-            send, throw = None, exc
+            if deactivate is not None:
+                deactivate(token)
 
 
 async def drive(
@@ -57,4 +69,4 @@ async def drive(
     deactivate: Callable[[object], None],
 ) -> Any:
     """Await ``coro`` with ``activate()`` before and ``deactivate(token)`` after each step."""
-    return await _stepper(coro, activate, deactivate)
+    return await step_through(coro, activate, deactivate)
