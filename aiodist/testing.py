@@ -1,0 +1,207 @@
+"""Testing your own step functions with pytest (and pytest-asyncio).
+
+Installing aiodist registers this module as a pytest plugin (``pytest11`` entry
+point), so its fixtures are available in every test:
+
+- ``aiodist_replicas``: how many CPU replicas a test gets; 2 by default.
+  ``@pytest.mark.aiodist_replicas(1, 2, 4)`` runs the test once per count.
+- ``aiodist_strategy``: a fresh ``MirroredStrategy`` with that many CPU replicas.
+  Strategies hold no event loop, so it works on whatever loop pytest-asyncio
+  runs the test on.
+- ``aiodist_gpu_strategy``: the same on GPUs (replicas spread over the visible
+  GPUs); the test is skipped, with the reason, where CuPy, a GPU, or aiodist's
+  GPU backend is missing.
+
+And one helper, ``assert_same_on_replicas``: run a step function on 1 and on N
+replicas over the same global batch and check the answers agree.
+
+Example (a test module of yours)::
+
+    import numpy as np
+    import pytest
+    import aiodist
+    from aiodist.testing import assert_same_on_replicas
+
+    @pytest.mark.aiodist_replicas(1, 2, 4)
+    async def test_loss_is_reduced(aiodist_strategy, aiodist_replicas):
+        async def step(x):
+            ctx = aiodist.get_replica_context()
+            return await ctx.all_reduce("sum", x.sum())
+        batch = aiodist_strategy.experimental_distribute_values_from_function(
+            lambda ctx: np.ones(3))
+        result = await aiodist_strategy.run(step, args=(batch,))
+        first = aiodist_strategy.experimental_local_results(result)[0]
+        assert float(first) == 3 * aiodist_replicas
+
+    async def test_predictions_do_not_depend_on_replicas():
+        async def predict(rows):
+            return rows * 2.0
+        await assert_same_on_replicas(predict, np.arange(10.0).reshape(5, 2))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from . import _nest
+from ._backends import visible_gpu_count
+from ._errors import DeviceError, InvalidArgumentError
+from ._input import split_batch
+from ._ops import ReduceOp
+from ._strategy import MirroredStrategy
+from ._values import PerReplica, regroup
+
+__all__ = [
+    "aiodist_gpu_strategy",
+    "aiodist_replicas",
+    "aiodist_strategy",
+    "assert_same_on_replicas",
+    "cpu_strategy",
+]
+
+
+def cpu_strategy(num_replicas: int) -> MirroredStrategy:
+    """A ``MirroredStrategy`` on ``cpu:0`` … ``cpu:{num_replicas - 1}``."""
+    return MirroredStrategy([f"cpu:{i}" for i in range(num_replicas)])
+
+
+# -- the plugin ------------------------------------------------------------------------
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "aiodist_replicas(*counts): run the test once per replica count "
+        "(for the aiodist_strategy / aiodist_gpu_strategy fixtures)",
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "aiodist_replicas" not in metafunc.fixturenames:
+        return
+    marker = metafunc.definition.get_closest_marker("aiodist_replicas")
+    if marker is None:
+        return
+    counts = marker.args
+    if not counts or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in counts
+    ):
+        raise pytest.UsageError(
+            f"{metafunc.definition.nodeid}: @pytest.mark.aiodist_replicas{counts!r}; expected "
+            "one or more replica counts >= 1, e.g. @pytest.mark.aiodist_replicas(1, 2, 4)."
+        )
+    metafunc.parametrize(
+        "aiodist_replicas", counts, indirect=True, ids=[f"{n}replicas" for n in counts]
+    )
+
+
+@pytest.fixture
+def aiodist_replicas(request: pytest.FixtureRequest) -> int:
+    """The number of replicas for this test (2 unless the marker or a parameter says)."""
+    return int(getattr(request, "param", 2))
+
+
+@pytest.fixture
+def aiodist_strategy(aiodist_replicas: int) -> MirroredStrategy:
+    """A fresh ``MirroredStrategy`` with ``aiodist_replicas`` CPU replicas."""
+    return cpu_strategy(aiodist_replicas)
+
+
+@pytest.fixture
+def aiodist_gpu_strategy(aiodist_replicas: int) -> MirroredStrategy:
+    """A ``MirroredStrategy`` with ``aiodist_replicas`` replicas on the visible GPUs
+    (several per GPU if needed); skipped, with the reason, where that cannot run."""
+    count = visible_gpu_count()
+    if count == 0:
+        pytest.skip(
+            "no GPU visible to CuPy (install CuPy with pip install 'aiodist[cuda12]' or "
+            "'aiodist[cuda13]' on a machine with an NVIDIA GPU)"
+        )
+    try:
+        return MirroredStrategy([f"GPU:{i % count}" for i in range(aiodist_replicas)])
+    except DeviceError as exc:
+        pytest.skip(f"GPU replicas are not available here: {exc}")
+
+
+# -- the helper ------------------------------------------------------------------------
+
+
+async def assert_same_on_replicas(
+    step_fn: Callable[..., Awaitable[Any] | Any],
+    batch: Any,
+    *,
+    replicas: Sequence[int] = (1, 2, 4),
+    combine: str | ReduceOp = "concat",
+    rtol: float = 1e-7,
+    atol: float = 0.0,
+) -> Any:
+    """Run ``step_fn`` on each replica count over the same global ``batch`` and check
+    that the combined answers agree with the first count's (usually 1 replica).
+
+    ``batch`` is split along axis 0 as ``experimental_distribute_dataset`` splits
+    it, and each replica calls ``step_fn(its_rows)``. The per-replica results are
+    combined by ``combine``:
+
+    - ``"concat"``: concatenated along axis 0 (per-row outputs, e.g. predictions);
+    - ``"first"``: replica 0's result (values every replica already agrees on,
+      e.g. all-reduced gradients);
+    - a reduce op (``"sum"``, ``"mean"``, ``ReduceOp.MAX``, ...): reduced across
+      replicas with ``strategy.reduce`` (e.g. per-replica loss sums).
+
+    Results may be nested structures of arrays. Returns the reference answer;
+    raises ``AssertionError`` naming the replica count that differs.
+    """
+    if not replicas:
+        raise InvalidArgumentError("replicas=(); expected at least one replica count.")
+    reference, reference_count = None, None
+    for count in replicas:
+        strategy = cpu_strategy(count)
+        shards = split_batch(batch, count)
+        inputs = shards[0] if count == 1 else regroup(shards, strategy._devices)
+        result = await strategy.run(step_fn, args=(inputs,))
+        answer = await _combine(strategy, result, combine)
+        if reference is None:
+            reference, reference_count = answer, count
+            continue
+        leaves, expected = _nest.flatten(answer), _nest.flatten(reference)
+        if len(leaves) != len(expected):
+            raise AssertionError(
+                f"{count} replicas gave {len(leaves)} values, {reference_count} gave "
+                f"{len(expected)}: the step's result structure depends on the replica count."
+            )
+        for index, (got, want) in enumerate(zip(leaves, expected, strict=True)):
+            np.testing.assert_allclose(
+                np.asarray(got),
+                np.asarray(want),
+                rtol=rtol,
+                atol=atol,
+                err_msg=(
+                    f"value {index} of the step's result on {count} replicas differs from "
+                    f"{reference_count} replica(s)"
+                ),
+            )
+    return reference
+
+
+async def _combine(strategy: MirroredStrategy, result: Any, combine: str | ReduceOp) -> Any:
+    per_replica = strategy.experimental_local_results(result)
+    if combine == "first":
+        return per_replica[0]
+    if combine == "concat":
+        leaves = [_nest.flatten(part) for part in per_replica]
+        joined = [
+            np.concatenate([np.asarray(part[i]) for part in leaves]) for i in range(len(leaves[0]))
+        ]
+        return _nest.pack_as(per_replica[0], joined)
+    op = ReduceOp.of(combine)
+    leaves = [_nest.flatten(part) for part in per_replica]
+    reduced = []
+    for i in range(len(leaves[0])):
+        column = tuple(np.asarray(part[i]) for part in leaves)
+        value = PerReplica._make(column, strategy._devices) if len(column) > 1 else column[0]
+        reduced.append(await strategy.reduce(op, value, axis=None))
+    return _nest.pack_as(per_replica[0], reduced)

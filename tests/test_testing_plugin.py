@@ -1,0 +1,147 @@
+"""The pytest plugin for users (aiodist.testing), exercised through pytester."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import aiodist
+from aiodist.testing import assert_same_on_replicas
+
+pytest_plugins = ["pytester"]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _aiodist_importable(monkeypatch):
+    """The pytester subprocess runs elsewhere: make this checkout importable there
+    (CI installs aiodist anyway; a source checkout may not be installed)."""
+    paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
+
+
+INI = """
+[pytest]
+asyncio_mode = auto
+asyncio_default_fixture_loop_scope = function
+"""
+
+
+def run(pytester: pytest.Pytester, source: str, *args: str) -> pytest.RunResult:
+    pytester.makeini(INI)
+    pytester.makepyfile(source)
+    return pytester.runpytest_subprocess("-p", "aiodist.testing", "-v", *args)
+
+
+def test_fixtures_and_marker_parametrize_replica_counts(pytester):
+    result = run(
+        pytester,
+        """
+        import asyncio
+        import numpy as np
+        import pytest
+        import aiodist
+
+        @pytest.mark.aiodist_replicas(1, 2, 4)
+        async def test_counts(aiodist_strategy, aiodist_replicas):
+            assert aiodist_strategy.num_replicas_in_sync == aiodist_replicas
+            async def step():
+                return await aiodist.get_replica_context().all_reduce("sum", 1.0)
+            result = await aiodist_strategy.run(step)
+            first = aiodist_strategy.experimental_local_results(result)[0]
+            assert float(first) == aiodist_replicas
+
+        async def test_default_is_two(aiodist_strategy):
+            assert aiodist_strategy.extended.worker_devices == ("/device:CPU:0", "/device:CPU:1")
+
+        @pytest.mark.parametrize("aiodist_replicas", [3])
+        def test_fixture_parameter(aiodist_strategy):
+            assert aiodist_strategy.num_replicas_in_sync == 3
+        """,
+    )
+    result.assert_outcomes(passed=5)
+    result.stdout.fnmatch_lines(
+        ["*test_counts[[]1replicas[]] PASSED*", "*test_counts[[]4replicas[]] PASSED*"]
+    )
+
+
+def test_gpu_fixture_skips_with_a_reason_without_a_gpu(pytester):
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("this machine has CuPy: the fixture may not skip here")
+    result = run(
+        pytester,
+        """
+        def test_on_gpu(aiodist_gpu_strategy):
+            raise AssertionError("must not run without a GPU")
+        """,
+        "-rs",
+    )
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*no GPU visible to CuPy*aiodist[[]cuda12[]]*"])
+
+
+def test_bad_marker_is_a_usage_error(pytester):
+    result = run(
+        pytester,
+        """
+        import pytest
+
+        @pytest.mark.aiodist_replicas(0)
+        def test_x(aiodist_strategy):
+            pass
+        """,
+    )
+    assert result.ret != 0
+    result.stdout.fnmatch_lines(["*aiodist_replicas(0,); expected one or more replica counts*"])
+
+
+def test_assert_same_on_replicas_catches_a_replica_dependent_step(pytester):
+    result = run(
+        pytester,
+        """
+        import numpy as np
+        import aiodist
+        from aiodist.testing import assert_same_on_replicas
+
+        async def test_good():
+            async def predict(rows):
+                return rows * 2.0
+            await assert_same_on_replicas(predict, np.arange(10.0).reshape(5, 2))
+
+        async def test_bad():
+            async def leaky(rows):  # depends on which replica it runs on
+                rid = aiodist.get_replica_context().replica_id_in_sync_group
+                return rows + rid
+            await assert_same_on_replicas(leaky, np.arange(10.0).reshape(5, 2))
+        """,
+    )
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*on 2 replicas differs from 1 replica(s)*"])
+
+
+async def test_assert_same_on_replicas_combine_modes():
+    async def grads(rows):
+        ctx = aiodist.get_replica_context()
+        return await ctx.all_reduce("sum", rows.sum(axis=0))
+
+    batch = np.arange(12.0).reshape(6, 2)
+    np.testing.assert_array_equal(
+        await assert_same_on_replicas(grads, batch, combine="first"), batch.sum(axis=0)
+    )
+
+    async def loss(rows):
+        return {"sum": rows.sum(), "count": np.float64(len(rows))}
+
+    total = await assert_same_on_replicas(loss, batch, combine="sum", replicas=(1, 3))
+    assert float(total["sum"]) == batch.sum() and float(total["count"]) == 6
+
+    async def wrong_shape(rows):
+        return rows[:1]
+
+    with pytest.raises(AssertionError):
+        await assert_same_on_replicas(wrong_shape, batch)
