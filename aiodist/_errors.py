@@ -14,8 +14,8 @@ working::
         ├── CollectiveMismatchError(ValueError)   replicas called different things
         └── RendezvousTimeoutError(TimeoutError)  CommunicationOptions.timeout_seconds ran out
 
-Messages say what happened (with the values), what was expected, and what to do.
-See ``docs/errors.md`` for one section per class.
+Messages say what happened (with the values), what was expected, and what to do,
+and end with a link to their section of ``docs/errors.md`` (one per class).
 """
 
 from __future__ import annotations
@@ -32,8 +32,31 @@ __all__ = [
 ]
 
 
+_DOCUMENTED = frozenset(
+    {
+        "AiodistError",
+        "InvalidArgumentError",
+        "DeviceError",
+        "ContextError",
+        "RendezvousError",
+        "ReplicaExitedError",
+        "CollectiveMismatchError",
+        "RendezvousTimeoutError",
+    }
+)
+
+
 class AiodistError(Exception):
-    """Base class of every error aiodist raises on purpose."""
+    """Base class of every error aiodist raises on purpose.
+
+    Its message ends with where the docs explain it: the section of
+    ``docs/errors.md`` for the class (or its nearest documented base).
+    """
+
+    def __str__(self) -> str:
+        message = super().__str__()
+        documented = next(c.__name__ for c in type(self).__mro__ if c.__name__ in _DOCUMENTED)
+        return f"{message} [docs/errors.md#{documented.lower()}]"
 
 
 class InvalidArgumentError(AiodistError, ValueError):

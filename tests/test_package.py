@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import aiodist
+import aiodist.serving
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,3 +94,19 @@ def test_demo_reports_bad_devices():
     )
     assert done.returncode == 2
     assert "device string 'tpu:0' is not understood" in done.stderr
+
+
+def test_error_messages_link_to_their_docs_section():
+    headings = {
+        line[3:].strip().lower()
+        for line in (ROOT / "docs" / "errors.md").read_text().splitlines()
+        if line.startswith("## ")
+    }
+    for name in aiodist.__all__:
+        cls = getattr(aiodist, name)
+        if isinstance(cls, type) and issubclass(cls, aiodist.AiodistError):
+            message = str(cls("something went wrong"))
+            assert message.startswith("something went wrong [docs/errors.md#")
+            anchor = message.rsplit("#", 1)[1].rstrip("]")
+            assert anchor in headings, (name, anchor)
+    assert str(aiodist.serving.Overloaded("full")).endswith("[docs/errors.md#aiodisterror]")
