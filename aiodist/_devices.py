@@ -71,5 +71,11 @@ def parse_device(spec: str | Device) -> Device:
 
 
 def canonical_device(spec: str | Device) -> str:
-    """The canonical name of a device string: ``canonical_device("gpu:1") == "/device:GPU:1"``."""
+    """The canonical name of a device string.
+
+    Examples:
+        >>> from aiodist import canonical_device
+        >>> canonical_device("gpu:1"), canonical_device("/job:localhost/task:0/device:CPU:0")
+        ('/device:GPU:1', '/device:CPU:0')
+    """
     return str(parse_device(spec))

@@ -37,6 +37,11 @@ class ReduceOp(enum.Enum):
     ``SUM`` and ``MEAN`` are TensorFlow's; ``MIN``, ``MAX`` and ``PRODUCT`` are
     extras. Everywhere a ``ReduceOp`` is accepted, its name as a string in any
     case is too: ``ReduceOp("sum") is ReduceOp.SUM``.
+
+    Examples:
+        >>> from aiodist import ReduceOp
+        >>> ReduceOp("mean"), ReduceOp.of("Max")
+        (ReduceOp.MEAN, ReduceOp.MAX)
     """
 
     SUM = "SUM"

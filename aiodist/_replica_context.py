@@ -125,6 +125,18 @@ class ReplicaContext:
         values (identical objects stay as they are). Await the result: each
         replica receives ``merge_fn``'s return value with every distributed value
         in it replaced by this replica's component. ``merge_fn`` may be ``async``.
+
+        Examples:
+            >>> import aiodist
+            >>> strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> def merge_fn(strategy, value):
+            ...     return sum(strategy.experimental_local_results(value))
+            >>> async def step():
+            ...     ctx = aiodist.get_replica_context()
+            ...     v = 3 + ctx.replica_id_in_sync_group
+            ...     return v + await ctx.merge_call(merge_fn, args=(v,))
+            >>> strategy.experimental_local_results(aiodist.run(strategy.run(step)))
+            (10, 11)
         """
         group = self._group("merge_call")
         if not callable(merge_fn):
@@ -155,6 +167,15 @@ class ReplicaContext:
         this replica's device. Lists of values are packed into few reductions.
         On CPU devices each replica gets its own read-only view of one shared
         result buffer.
+
+        Examples:
+            >>> import aiodist
+            >>> strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> async def step():
+            ...     ctx = aiodist.get_replica_context()
+            ...     return await ctx.all_reduce("sum", [1.0, 2.0])
+            >>> strategy.experimental_local_results(aiodist.run(strategy.run(step)))
+            ([array(2.), array(4.)], [array(2.), array(4.)])
         """
         # This is the per-step hot path: plain attribute and dict work, C-level
         # tuple construction, and no structure walk for a single array.
@@ -199,6 +220,16 @@ class ReplicaContext:
 
         Shapes may differ only along ``axis``; values of rank 0 cannot be
         gathered (add an axis first, e.g. ``x[None]``).
+
+        Examples:
+            >>> import numpy as np
+            >>> import aiodist
+            >>> strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> async def step():
+            ...     ctx = aiodist.get_replica_context()
+            ...     return await ctx.all_gather(np.array([1, 2, 3]), axis=0)
+            >>> strategy.experimental_local_results(aiodist.run(strategy.run(step)))[0]
+            array([1, 2, 3, 1, 2, 3])
         """
         group = self._group("all_gather")
         axis = as_axis(axis, "all_gather")

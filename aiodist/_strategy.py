@@ -273,6 +273,15 @@ class Strategy:
         that is the same object on every replica stays one object; otherwise it
         becomes ``PerReplica``. If a replica raises, the others are cancelled and
         that exception propagates.
+
+        Examples:
+            >>> import aiodist
+            >>> strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> async def step(x):
+            ...     return await aiodist.get_replica_context().all_reduce("sum", x)
+            >>> result = aiodist.run(strategy.run(step, args=(1.0,)))
+            >>> strategy.experimental_local_results(result)
+            (array(2.), array(2.))
         """
         state = _context.current_state()
         if state.replica is not None:
@@ -293,7 +302,16 @@ class Strategy:
     def experimental_distribute_values_from_function(
         self, value_fn: Callable[[ValueContext], Any]
     ) -> Any:
-        """A ``PerReplica`` of ``value_fn(ValueContext(i, n))`` for each replica i."""
+        """A ``PerReplica`` of ``value_fn(ValueContext(i, n))`` for each replica i.
+
+        Examples:
+            >>> import aiodist
+            >>> strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> values = strategy.experimental_distribute_values_from_function(
+            ...     lambda ctx: ctx.replica_id_in_sync_group / ctx.num_replicas_in_sync)
+            >>> strategy.experimental_local_results(values)
+            (0.0, 0.5)
+        """
         n = self.num_replicas_in_sync
         values = []
         for slot in self._slots:
@@ -350,6 +368,16 @@ class Strategy:
         With ``axis``, each replica's value is first reduced along that axis too;
         MEAN then divides by the true number of elements over all replicas (so an
         uneven last batch is weighted correctly).
+
+        Examples:
+            >>> import numpy as np
+            >>> import aiodist
+            >>> strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> value = aiodist.PerReplica([np.array([0.0, 1.0, 2.0]), np.array([3.0])])
+            >>> aiodist.run(strategy.reduce("mean", value, axis=0))
+            array(1.5)
+            >>> aiodist.run(strategy.reduce("max", value, axis=0))
+            array(3.)
         """
         _context.require_cross_replica(self, "reduce")
         op = ReduceOp.of(reduce_op)
@@ -372,7 +400,17 @@ class Strategy:
         return self.extended._cross_device_ops._reduce_arrays(op, parts, _HOST)
 
     async def gather(self, value: Any, axis: int) -> Any:
-        """Concatenate the components of ``value`` along ``axis`` into a host array."""
+        """Concatenate the components of ``value`` along ``axis`` into a host array.
+
+        Examples:
+            >>> import numpy as np
+            >>> import aiodist
+            >>> strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> value = strategy.experimental_distribute_values_from_function(
+            ...     lambda ctx: np.array([[ctx.replica_id_in_sync_group]]))
+            >>> aiodist.run(strategy.gather(value, axis=1))
+            array([[0, 1]])
+        """
         _context.require_cross_replica(self, "gather")
         axis = as_axis(axis, "gather")
         parts = self._host_components(value)
@@ -429,6 +467,19 @@ class MirroredStrategy(Strategy):
             ``ReductionToOneDevice``).
         communication_options: defaults for every collective (per-call
             ``options`` override them field by field).
+
+    Examples:
+        >>> import aiodist
+        >>> strategy = aiodist.MirroredStrategy(["cpu:0", "/cpu:1"])
+        >>> strategy.num_replicas_in_sync, strategy.extended.worker_devices
+        (2, ('/device:CPU:0', '/device:CPU:1'))
+        >>> async def step():
+        ...     return aiodist.get_replica_context().replica_id_in_sync_group
+        >>> aiodist.run(strategy.run(step))
+        PerReplica:{
+          0: 0,
+          1: 1
+        }
     """
 
     def __init__(

@@ -170,6 +170,17 @@ class Variable:
             else a ``MirroredVariable`` (inside a scope).
         name: used in messages and as the checkpoint key (default ``"Variable"``).
         dtype: the dtype to store (default: that of ``initial_value``).
+
+    Examples:
+        >>> import aiodist
+        >>> strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> with strategy.scope():
+        ...     v = aiodist.Variable(0.0, aggregation="sum")
+        >>> async def step():
+        ...     await v.assign_add(1.0)  # aggregated over the replicas, applied to every copy
+        >>> aiodist.run(strategy.run(step))
+        >>> strategy.experimental_local_results(v)
+        (array(2.), array(2.))
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Variable:
