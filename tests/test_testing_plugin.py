@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 from pathlib import Path
@@ -32,10 +33,19 @@ asyncio_default_fixture_loop_scope = function
 """
 
 
+# Installed (as in CI), the plugin is loaded through its pytest11 entry point, which
+# these tests then exercise; from an uninstalled checkout it is named explicitly.
+INSTALLED = any(
+    entry.value == "aiodist.testing"
+    for entry in importlib.metadata.entry_points(group="pytest11")
+)
+
+
 def run(pytester: pytest.Pytester, source: str, *args: str) -> pytest.RunResult:
     pytester.makeini(INI)
     pytester.makepyfile(source)
-    return pytester.runpytest_subprocess("-p", "aiodist.testing", "-v", *args)
+    plugin = () if INSTALLED else ("-p", "aiodist.testing")
+    return pytester.runpytest_subprocess(*plugin, "-v", *args)
 
 
 def test_fixtures_and_marker_parametrize_replica_counts(pytester):
