@@ -36,8 +36,7 @@ asyncio_default_fixture_loop_scope = function
 # Installed (as in CI), the plugin is loaded through its pytest11 entry point, which
 # these tests then exercise; from an uninstalled checkout it is named explicitly.
 INSTALLED = any(
-    entry.value == "aiodist.testing"
-    for entry in importlib.metadata.entry_points(group="pytest11")
+    entry.value == "aiodist.testing" for entry in importlib.metadata.entry_points(group="pytest11")
 )
 
 
