@@ -52,6 +52,7 @@ class _State(NamedTuple):
 
 
 _OUTSIDE = _State(None, None, False)
+_new_state = tuple.__new__
 _STATE: contextvars.ContextVar[_State] = contextvars.ContextVar("aiodist_state", default=_OUTSIDE)
 _default: dict[str, Any] = {}
 
@@ -68,7 +69,7 @@ def current_state() -> _State:
 
 def replica_state(strategy: Strategy, replica: ReplicaContext | None, group: Any = None) -> _State:
     """The state inside a replica function of ``group`` (``replica``), or a merge_fn (None)."""
-    return _State(strategy, replica, True, group)
+    return _new_state(_State, (strategy, replica, True, group))  # C-level NamedTuple build
 
 
 set_state = _STATE.set  # the ContextVar's own (C) method: called once per replica per run

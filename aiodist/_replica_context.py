@@ -35,6 +35,7 @@ __all__ = ["AllGatherPayload", "AllReducePayload", "MergePayload", "ReplicaConte
 
 
 _STATE = _context._STATE
+_OPS = {name: op for op in ReduceOp for name in (op.name, op.name.lower())}
 _NESTED = (list, tuple, dict)
 _new = tuple.__new__  # builds a NamedTuple in C, without its Python-level __new__
 _SHAPE = operator.attrgetter("shape")
@@ -181,7 +182,9 @@ class ReplicaContext:
         # tuple construction, and no structure walk for a single array.
         state = _STATE.get()
         group = state.group if state.replica is self else self._group("all_reduce")
-        op = ReduceOp.of(reduce_op)
+        op = _OPS.get(reduce_op) if type(reduce_op) is str else None
+        if op is None:
+            op = ReduceOp.of(reduce_op)
         if options is None:
             options = self._strategy._communication_options
         else:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import inspect
+from asyncio import get_running_loop
 from collections.abc import Callable, Sequence
 from functools import partial
 from inspect import CO_COROUTINE
@@ -150,7 +151,7 @@ class RunGroup:
     def rendezvous(self) -> Rendezvous:
         """The group's rendezvous engine, made at the first collective call."""
         if self._rendezvous is None:
-            watchdog = watchdog_for(asyncio.get_running_loop())
+            watchdog = watchdog_for(get_running_loop())
             watchdog.groups.add(self)
             self._watchdog = watchdog
             self._rendezvous = Rendezvous(self.num_replicas, self._execute, watchdog.ensure)
@@ -210,7 +211,12 @@ class RunGroup:
         def on_done(rid: int, task: asyncio.Task) -> None:
             nonlocal remaining
             remaining -= 1
-            self._replica_finished(rid, task)
+            if task.cancelled() or task.exception() is not None:
+                self._replica_failed(rid, task)
+            elif self._rendezvous is not None:  # the common case, inline: it runs N times a run
+                self._rendezvous.replica_exited(rid, "returned")
+            else:
+                self._exits.append((rid, "returned"))
             if remaining == 0 and not all_done.done():
                 all_done.set_result(None)
 
@@ -303,8 +309,9 @@ class RunGroup:
             raise
         return coroutines
 
-    def _replica_finished(self, rid: int, task: asyncio.Task) -> None:
-        """A replica's task is done: record the run's failure, tell the rendezvous."""
+    def _replica_failed(self, rid: int, task: asyncio.Task) -> None:
+        """A replica's task raised or was cancelled: record the run's failure, tell the
+        rendezvous."""
         if task.cancelled():
             if not self._cancelling and self._failure is None:
                 # Cancelled by something other than this run: it cannot finish.
@@ -317,9 +324,7 @@ class RunGroup:
             self._replica_exited(rid, "was cancelled")
             return
         exc = task.exception()  # retrieved here: the run re-raises the first failure
-        if exc is None:
-            self._replica_exited(rid, "returned")
-            return
+        assert exc is not None
         if self._failure is None:
             # This callback runs after the wake-ups of every replica that was waiting
             # in a failed collective (they were queued first), so each of them has

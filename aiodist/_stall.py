@@ -126,10 +126,18 @@ def _report(
 
 
 _watchdogs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_last: tuple[Any, Watchdog | None] = (None, None)  # (weakref to loop, its watchdog)
 
 
 def watchdog_for(loop: asyncio.AbstractEventLoop) -> Watchdog:
+    """The loop's watchdog (one per loop). The last one is cached: a run asks for it
+    once, and a WeakKeyDictionary lookup costs more than the rest of this."""
+    global _last
+    loop_ref, watchdog = _last
+    if loop_ref is not None and loop_ref() is loop and watchdog is not None:
+        return watchdog
     watchdog = _watchdogs.get(loop)
     if watchdog is None:
         watchdog = _watchdogs[loop] = Watchdog(loop)
+    _last = (weakref.ref(loop), watchdog)
     return watchdog
