@@ -53,9 +53,6 @@ class CpuBackend:
     def check(self, device: Device) -> None:
         """CPU devices are logical: every index is available."""
 
-    def describe_available(self) -> str:
-        return "CPU devices: any index (logical devices on the host)"
-
     def new_stream(self, device: Device) -> None:
         return None
 
@@ -70,9 +67,6 @@ class CpuBackend:
 
     def end_cross_replica(self, token: object, slots: Any) -> None:
         return None
-
-    def owns(self, value: object) -> bool:
-        return isinstance(value, np.ndarray | np.generic)
 
     def asarray(self, value: object, device: Device) -> np.ndarray:
         return value if type(value) is np.ndarray else np.asarray(value)
