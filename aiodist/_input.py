@@ -237,7 +237,8 @@ class _Pipeline:
         self._close = close  # async () -> None
         self._free = asyncio.Semaphore(depth)
         self._ready: deque = deque()
-        self._wakeup: asyncio.Future | None = None
+        self._finished = False  # an "end" or "error" entry was pushed
+        self._waiters: list[asyncio.Future] = []
         self.task = asyncio.get_running_loop().create_task(self._produce())
 
     async def _produce(self) -> None:
@@ -251,6 +252,10 @@ class _Pipeline:
                 except Exception as exc:
                     self._push(("error", exc))
                     return
+                except BaseException as exc:  # e.g. the source raised CancelledError itself
+                    if not isinstance(exc, asyncio.CancelledError) or not self.task.cancelling():
+                        self._push(("error", exc))
+                    raise
                 if tracer is not None:
                     tracer.span("prefetch", "input", _trace.INPUT_TRACK, start, tracer.now())
                 if not more:
@@ -258,17 +263,24 @@ class _Pipeline:
                     return
                 self._push(("item", element))
         finally:
+            if not self._finished:  # stopped early (aclose, break): consumers see the end
+                self._push(("end", None))
             await self._close()
 
     def _push(self, entry: tuple) -> None:
         self._ready.append(entry)
-        if self._wakeup is not None and not self._wakeup.done():
-            self._wakeup.set_result(None)
+        if entry[0] != "item":
+            self._finished = True
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:  # every waiting consumer, not just the last one
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def get(self) -> Any:
         while not self._ready:
-            self._wakeup = asyncio.get_running_loop().create_future()
-            await self._wakeup
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            await waiter
         kind, value = self._ready.popleft()
         if kind == "item":
             self._free.release()

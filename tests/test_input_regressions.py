@@ -1,0 +1,46 @@
+"""Regressions from review: consumers of a distributed dataset never wait forever."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.timeout(10)
+
+
+async def test_next_after_aclose_ends_instead_of_hanging(two):
+    iterator = aiter(two.experimental_distribute_dataset(np.arange(2) for _ in range(100)))
+    await anext(iterator)
+    await iterator.aclose()
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(anext(iterator), 2)
+
+
+async def test_source_raising_cancelled_error_reaches_the_consumer(two):
+    def source():
+        yield np.arange(2)
+        raise asyncio.CancelledError()  # a source bug, not a cancellation of ours
+
+    iterator = aiter(two.experimental_distribute_dataset(source()))
+    await anext(iterator)
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(anext(iterator), 2)
+
+
+async def test_concurrent_consumers_of_one_iterator_all_finish(two):
+    async def source():
+        for i in range(6):
+            await asyncio.sleep(0)
+            yield np.full(2, i)
+
+    iterator = aiter(two.experimental_distribute_dataset(source()))
+    counts = {"a": 0, "b": 0}
+
+    async def consume(name):
+        async for _ in iterator:
+            counts[name] += 1
+
+    await asyncio.wait_for(asyncio.gather(consume("a"), consume("b")), 5)
+    assert counts["a"] + counts["b"] == 6
