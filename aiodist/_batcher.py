@@ -51,12 +51,13 @@ class NotServing(AiodistError, RuntimeError):
 
 
 class _Request:
-    __slots__ = ("future", "rows", "submitted")
+    __slots__ = ("future", "rows", "submitted", "taken")
 
     def __init__(self, rows: np.ndarray, future: asyncio.Future):
         self.rows = rows
         self.future = future
         self.submitted = time.perf_counter()
+        self.taken = False  # left the queue (batched, or dropped); its rows are uncounted
 
 
 class BatcherStats:
@@ -147,6 +148,7 @@ class Batcher:
         self._accepting = False
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
+        self._starting = False
         self._running: set[asyncio.Task] = set()
         self._slots: asyncio.Semaphore | None = None
         self._requests = self._batches = self._rows = self._rejected = self._failed = 0
@@ -156,8 +158,15 @@ class Batcher:
 
     async def start(self, warmup_rows: np.ndarray | None = None) -> None:
         """Warm up (one run of ``warmup_rows``, if given) and start batching."""
-        if self._loop_task is not None:
+        if self._loop_task is not None or self._starting:
             return
+        self._starting = True
+        try:
+            await self._start(warmup_rows)
+        finally:
+            self._starting = False
+
+    async def _start(self, warmup_rows: np.ndarray | None) -> None:
         if warmup_rows is not None:
             await self._run_batch(np.asarray(warmup_rows))
         self._wakeup = asyncio.Event()
@@ -217,6 +226,11 @@ class Batcher:
             raise InvalidArgumentError(
                 f"submit: rows of shape {rows.shape}; expected a 2-D array with at least one row."
             )
+        if len(rows) > self.max_queue_rows:
+            raise InvalidArgumentError(
+                f"submit: a request of {len(rows)} rows can never be admitted "
+                f"(max_queue_rows={self.max_queue_rows}); split it into smaller requests."
+            )
         if self._queued_rows + len(rows) > self.max_queue_rows:
             self._rejected += 1
             raise Overloaded(
@@ -232,7 +246,10 @@ class Batcher:
         try:
             return await future
         except asyncio.CancelledError:
-            future.cancel()  # still queued: the batching loop will skip it
+            if not request.taken:  # still queued: free its rows now; the loop skips it
+                request.taken = True
+                self._queued_rows -= len(rows)
+            future.cancel()
             raise
 
     @property
@@ -258,11 +275,14 @@ class Batcher:
             request = self._queue[0]
             if request.future.done():  # cancelled while queued: drop it
                 self._queue.popleft()
-                self._queued_rows -= len(request.rows)
+                if not request.taken:
+                    request.taken = True
+                    self._queued_rows -= len(request.rows)
                 continue
             if taken and rows + len(request.rows) > self.max_batch_size:
                 break
             self._queue.popleft()
+            request.taken = True
             self._queued_rows -= len(request.rows)
             taken.append(request)
             rows += len(request.rows)
@@ -303,8 +323,8 @@ class Batcher:
     async def _serve(self, batch: list[_Request]) -> None:
         assert self._slots is not None
         try:
-            rows = np.concatenate([request.rows for request in batch])
             try:
+                rows = np.concatenate([request.rows for request in batch])
                 outputs = await self._run_batch(rows)
             except asyncio.CancelledError:  # stop() ran out of time: answer, never hang
                 for request in batch:

@@ -353,3 +353,63 @@ async def _measure_lag_under_load():
         median = statistics.median(lateness)
         print(f"event-loop lag: p99 {p99 * 1e3:.2f} ms, median {median * 1e3:.2f} ms")
         assert p99 < 0.020, f"p99 event-loop lag {p99 * 1e3:.1f} ms (median {median * 1e3:.1f})"
+
+
+# -- regressions from review -----------------------------------------------------------
+
+
+async def test_mixed_widths_in_one_batch_fail_that_batch_not_hang(two):
+    batcher = Batcher(two, linear, max_batch_size=8, max_wait_seconds=0.05)
+    await batcher.start()
+    results = await asyncio.wait_for(
+        asyncio.gather(
+            batcher.submit(np.ones((1, 4))), batcher.submit(np.ones((1, 3))), return_exceptions=True
+        ),
+        5,
+    )
+    assert all(isinstance(r, ValueError) for r in results)
+    np.testing.assert_array_equal(await batcher.submit(np.ones((1, 4))), np.ones((1, 4)) @ W)
+    await batcher.stop()
+
+
+async def test_cancelled_queued_rows_free_admission_at_once(two):
+    gate = asyncio.Event()
+    ran = []
+
+    async def gated(rows):
+        ran.append(len(rows))
+        await gate.wait()
+        return rows
+
+    batcher = Batcher(
+        two, gated, max_batch_size=4, max_queue_rows=4, max_wait_seconds=0, max_batches_in_flight=1
+    )
+    await batcher.start()
+    running = asyncio.create_task(batcher.submit(np.ones((1, 1))))
+    await wait_until(lambda: ran, "first batch running")
+    queued = asyncio.create_task(batcher.submit(np.ones((4, 1))))
+    await wait_until(lambda: batcher.queued_rows == 4, "queue full")
+    queued.cancel()
+    await asyncio.gather(queued, return_exceptions=True)
+    assert batcher.queued_rows == 0
+    admitted = asyncio.create_task(batcher.submit(np.ones((2, 1))))  # not Overloaded
+    gate.set()
+    await running
+    np.testing.assert_array_equal(await admitted, np.ones((2, 1)))
+    await batcher.stop()
+
+
+async def test_oversized_request_is_invalid_not_overloaded(two):
+    batcher = Batcher(two, linear, max_queue_rows=8)
+    await batcher.start()
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"10 rows can never be admitted"):
+        await batcher.submit(np.ones((10, 4)))
+    await batcher.stop()
+
+
+async def test_concurrent_starts_make_one_batching_loop(two):
+    batcher = Batcher(two, linear)
+    await asyncio.gather(batcher.start(np.zeros((1, 4))), batcher.start(np.zeros((1, 4))))
+    loops = [t for t in asyncio.all_tasks() if t.get_name() == "aiodist-batcher"]
+    assert len(loops) == 1
+    await batcher.stop()
