@@ -18,9 +18,11 @@ multi-megabyte allocation on every step.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -34,11 +36,25 @@ _WORKERS = max(1, os.cpu_count() or 1)
 _pool: ThreadPoolExecutor | None = None
 
 
+_pool_lock = threading.Lock()
+
+
 def _executor() -> ThreadPoolExecutor:
     global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="aiodist-reduce")
-    return _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="aiodist-reduce")
+        return _pool
+
+
+def _forget_pool_after_fork() -> None:
+    """A forked child has the pool object but none of its threads: start afresh."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
 class _Buffers:
@@ -54,7 +70,10 @@ class _Buffers:
             # References: the bucket, this loop variable, getrefcount's argument.
             # Anything more is a result view someone still holds.
             if sys.getrefcount(buffer) == 3:
-                return buffer
+                if buffer.flags.writeable:
+                    return buffer
+                bucket.remove(buffer)  # someone froze it: never hand it out again
+                break
         buffer = np.empty(shape, dtype)
         if len(bucket) < self._per_key:
             bucket.append(buffer)
@@ -99,10 +118,18 @@ def combine(ufunc: Any, arrays: list) -> np.ndarray:
     per_worker = -(-size // _WORKERS)
     per_worker = -(-per_worker // BLOCK) * BLOCK  # whole blocks per worker
     bounds = [(lo, min(lo + per_worker, size)) for lo in range(0, size, per_worker)]
+    # Each slice runs in a copy of the caller's context, so NumPy's errstate (a
+    # context variable) applies to every slice, not only the caller's.
     pending = [
-        _executor().submit(_reduce_slice, ufunc, flats, flat_out, lo, hi) for lo, hi in bounds[1:]
+        _executor().submit(
+            contextvars.copy_context().run, _reduce_slice, ufunc, flats, flat_out, lo, hi
+        )
+        for lo, hi in bounds[1:]
     ]
-    _reduce_slice(ufunc, flats, flat_out, *bounds[0])
+    try:
+        _reduce_slice(ufunc, flats, flat_out, *bounds[0])
+    finally:
+        wait(pending)  # never leave a slice writing into `out` behind us
     for future in pending:
-        future.result()
+        future.result()  # re-raises a slice's error
     return out

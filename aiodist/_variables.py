@@ -453,7 +453,9 @@ class SyncOnReadVariable(Variable):
             return self._values[0]
         op = ReduceOp.SUM if self._aggregation is VariableAggregation.SUM else ReduceOp.MEAN
         ops = self._strategy.extended._cross_device_ops
-        return _frozen(ops._reduce_arrays(op, self._values, self._devices[0]))
+        # A read-only *view*: the reduction's result buffer may come from a pool and
+        # must stay writeable for its next use once this view is gone.
+        return _frozen(ops._reduce_arrays(op, self._values, self._devices[0]).view())
 
     value = read_value
 

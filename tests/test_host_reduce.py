@@ -60,3 +60,63 @@ async def test_held_all_reduce_results_never_change(num_replicas):
     for k, result in enumerate(kept):
         for value in strategy.experimental_local_results(result):
             assert value[0] == value[-1] == k * num_replicas
+
+
+# -- regressions from review -----------------------------------------------------------
+
+
+async def test_reading_a_sync_on_read_variable_never_freezes_a_pooled_buffer(two):
+    with two.scope():
+        v = aiodist.Variable(
+            np.ones(POOLED, dtype=np.float32), synchronization="ON_READ", aggregation="sum"
+        )
+    for _ in range(3):
+        assert float(v.read_value()[0]) == 2.0  # the read result is dropped each time
+        parts = aiodist.PerReplica([np.ones(POOLED, dtype=np.float32)] * 2)
+        total = await two.reduce("sum", parts, axis=None)
+        np.testing.assert_array_equal(total[:3], [2, 2, 2])
+
+
+def test_a_frozen_released_buffer_is_not_reused():
+    arrays = [np.ones(POOLED, dtype=np.float32)] * 2
+    first = combine(np.add, arrays)
+    first.flags.writeable = False
+    del first
+    second = combine(np.add, arrays)
+    assert second.flags.writeable
+    np.testing.assert_array_equal(second[:2], [2, 2])
+
+
+def test_errstate_applies_to_every_slice():
+    big = np.full(LARGE, 3e38, dtype=np.float32)
+    with np.errstate(over="raise"):
+        with pytest.raises(FloatingPointError):
+            combine(np.add, [big, big])  # overflows in every slice, the last one too
+
+
+def test_forked_child_reduces_large_arrays():
+    import os
+    import sys
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no os.fork on this platform")
+    combine(np.add, [np.ones(LARGE, dtype=np.float32)] * 2)  # the parent's pool exists
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: must not hang on the parent's dead threads
+        try:
+            ok = combine(np.add, [np.ones(LARGE, dtype=np.float32)] * 2)[-1] == 2
+            os.write(write, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        import select
+
+        ready, _, _ = select.select([read], [], [], 20)
+        assert ready, "the forked child hung in combine()"
+        assert os.read(read, 1) == b"1"
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+        sys.stdout.flush()
