@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _context, _nest, _trace
 from ._devices import Device
-from ._eager import Pending, start_eagerly
 from ._errors import ContextError, ReplicaExitedError
 from ._options import CommunicationOptions
 from ._rendezvous import Rendezvous, Signature
@@ -414,20 +413,18 @@ class RunGroup:
         context = self._cross_replica_context()
         try:
             result = context.run(merge_fn, self.strategy, *args, **kwargs)
-            if type(result) is CoroutineType:
-                # An async merge_fn that never waits (the usual case on CPU devices)
-                # finishes here, with no task and no extra loop iteration.
-                result = start_eagerly(result, context)
-            elif _awaitable(result):
-                result = start_eagerly(_await(result), context)
         except BaseException:
             backend.end_cross_replica(token, self.slots)
             raise
-        if not isinstance(result, Pending):
+        if type(result) is not CoroutineType and not _awaitable(result):
             backend.end_cross_replica(token, self.slots)
             return self._for_each_replica(result)
 
-        task = result.task
+        # An async merge_fn runs in a task of its own, never in the step of the
+        # replica that arrived last: asyncio.timeout(), TaskGroup and current_task()
+        # inside it must not reach that replica.
+        coro = result if type(result) is CoroutineType else _await(result)
+        task = get_running_loop().create_task(coro, context=context)
         self._aux.add(task)
         outcome = task.get_loop().create_future()
 

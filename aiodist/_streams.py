@@ -23,26 +23,19 @@ from typing import Any
 __all__ = ["drive", "step_through"]
 
 
-_START = object()  # "the coroutine has not been stepped yet"
-
-
 @types.coroutine
 def step_through(
     coro: Coroutine[Any, Any, Any],
     activate: Callable[[], object] | None = None,
     deactivate: Callable[[object], None] | None = None,
-    yielded: Any = _START,
 ) -> Generator[Any, Any, Any]:
-    """Drive ``coro`` step by step, forwarding every value and exception.
-
+    """Drive ``coro`` step by step, forwarding every value and exception;
     ``activate()`` / ``deactivate(token)`` bracket each step (device and stream
-    current, see above). ``yielded``: the coroutine was already stepped once
-    (``_eager.start_eagerly``) and suspended on this value; hand it to the loop
-    first, then resume the coroutine where it stopped.
-    """
+    current, see above)."""
     send: Any = None
     throw: BaseException | None = None
-    started = yielded is _START
+    yielded: Any = None
+    started = True
     while True:
         if not started:
             try:

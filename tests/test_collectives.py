@@ -348,3 +348,22 @@ async def test_collectives_in_a_helper_coroutine(two):
     result = await two.run(fn)
     await wait_until(lambda: len(reached) == 4, "4 helper calls")
     assert local(two, result) == [6.0, 6.0]
+
+
+async def test_async_merge_fn_runs_in_its_own_task(two):
+    """A timeout inside merge_fn cancels merge_fn, never the replica that arrived last."""
+    tasks = []
+
+    async def merge_fn(strategy):
+        tasks.append(asyncio.current_task())
+        try:
+            async with asyncio.timeout(0.01):
+                await asyncio.Event().wait()
+        except TimeoutError:
+            return "timed out inside merge_fn"
+
+    async def fn():
+        return await aiodist.get_replica_context().merge_call(merge_fn)
+
+    assert await two.run(fn) == "timed out inside merge_fn"
+    assert not tasks[0].get_name().startswith("aiodist-replica")
