@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
+import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -33,7 +34,10 @@ def _by_name(variables: Mapping[str, Variable] | Sequence[Variable], where: str)
         named = {}
         for variable in variables:
             if not isinstance(variable, Variable):
-                break
+                raise InvalidArgumentError(
+                    f"{where}: {variable!r} in the list is not an aiodist.Variable; pass "
+                    "variables only (or a dict {name: variable})."
+                )
             if variable.name in named:
                 raise InvalidArgumentError(
                     f"{where}: two variables are named {variable.name!r}; give each a "
@@ -62,7 +66,13 @@ def _atomic_write(path: Path, arrays: dict[str, np.ndarray]) -> None:
     fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as file:
-            np.savez(file, **arrays)
+            # The .npz layout (one NAME.npy per array in a zip), written member by
+            # member: np.savez(**arrays) would take a variable named "file" or
+            # "allow_pickle" for one of its own parameters.
+            with zipfile.ZipFile(file, "w", compression=zipfile.ZIP_STORED) as archive:
+                for name, array in arrays.items():
+                    with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
+                        np.lib.format.write_array(member, array, allow_pickle=False)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)

@@ -462,14 +462,21 @@ class SyncOnReadVariable(Variable):
     def _saved_value(self) -> np.ndarray:
         if self._aggregation is VariableAggregation.NONE:
             return _host(self._values[0])  # TF's rule: the first copy
-        return _host(self._aggregate_copies())
+        value = np.asarray(_host(self._aggregate_copies()))
+        if value.dtype != self.dtype:  # the MEAN of integer copies: saved in their dtype
+            value = np.rint(value).astype(self.dtype)
+        return value
 
     def _restore(self, value: np.ndarray) -> None:
         if self._aggregation is not VariableAggregation.SUM:
             self._write_every_copy("assign", value)
             return
-        # Exact for every dtype: the first copy holds the value, the others zero,
-        # so the SUM read gives back exactly what was saved.
+        self._assign_to_first_copy(value)
+
+    def _assign_to_first_copy(self, value: Any) -> None:
+        """Exact for every dtype: the first copy holds the value, the others zero, so
+        the SUM read gives back exactly ``value``."""
+        value = np.asarray(_host(value))
         new = []
         for i, (device, old) in enumerate(zip(self._devices, self._values, strict=True)):
             part = value if i == 0 else np.zeros_like(value)
@@ -490,7 +497,12 @@ class SyncOnReadVariable(Variable):
                     "sync-on-read variable with aggregation=SUM (which copy would it "
                     "change?); use assign(), or update copies in replica context."
                 )
-            value = np.asarray(_host(value)) / n  # so that the SUM read gives `value`
+            if self.dtype.kind not in "fc":
+                # TF divides by the replica count, which integers cannot hold exactly:
+                # put the whole value on the first copy instead (the SUM is the same).
+                self._assign_to_first_copy(value)
+                return self
+            value = np.asarray(_host(value)) / n  # TF's rule: the SUM read gives `value`
         self._write_every_copy(kind, value)
         return self
 

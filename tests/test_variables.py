@@ -392,3 +392,39 @@ async def test_updating_different_variables_is_a_mismatch(two):
     with pytest.raises(aiodist.CollectiveMismatchError):
         await two.run(step)
     assert copies(two, v) == [0.0, 0.0] and copies(two, w) == [0.0, 0.0]
+
+
+# -- regressions from review -----------------------------------------------------------
+
+
+async def test_checkpoint_names_are_kept_whatever_they_are(tmp_path):
+    odd = [
+        aiodist.Variable(np.arange(2.0) + i, name=n)
+        for i, n in enumerate(["file", "allow_pickle", "a/b"])
+    ]
+    path = await aiodist.save_variables(tmp_path / "c.npz", odd)
+    assert sorted(np.load(path).files) == ["a/b", "allow_pickle", "file"]
+    fresh = [aiodist.Variable(np.zeros(2), name=v.name) for v in odd]
+    await aiodist.restore_variables(path, fresh)
+    for before, after in zip(odd, fresh, strict=True):
+        np.testing.assert_array_equal(after.numpy(), before.numpy())
+    with pytest.raises(ValueError, match=r"'b' in the list is not an aiodist.Variable"):
+        await aiodist.save_variables(tmp_path / "d.npz", [odd[0], "b"])
+
+
+async def test_int_sync_on_read_variables_round_trip_and_assign(strategy, num_replicas, tmp_path):
+    with strategy.scope():
+        hits = aiodist.Variable(
+            np.zeros(3, dtype=np.int64), synchronization="ON_READ", aggregation="mean", name="hits"
+        )
+        count = aiodist.Variable(
+            np.int64(0), synchronization="ON_READ", aggregation="sum", name="count"
+        )
+    await count.assign(7)  # cross-replica, SUM, integers: exact
+    assert int(count.read_value()) == 7
+    await hits.assign(np.array([2, 4, 6]))
+    path = await aiodist.save_variables(tmp_path / "h.npz", [hits, count])
+    await hits.assign(np.zeros(3, dtype=np.int64))
+    await aiodist.restore_variables(path, [hits, count])
+    np.testing.assert_array_equal(hits.read_value(), [2, 4, 6])
+    assert int(count.read_value()) == 7
