@@ -474,7 +474,10 @@ def from_function(
             f"distribute_datasets_from_function: dataset_fn={dataset_fn!r} is not callable; "
             "expected a function taking an InputContext and returning an iterable."
         )
-    options = options or InputOptions()
+    if options is None:
+        options = InputOptions()
+    elif not isinstance(options, InputOptions):
+        raise InvalidArgumentError(f"options={options!r}; expected aiodist.InputOptions or None.")
     n = strategy.num_replicas_in_sync
     if options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
         iterables = [dataset_fn(InputContext(n, r, n)) for r in range(n)]

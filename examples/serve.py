@@ -38,6 +38,7 @@ import aiodist
 from aiodist.serving import Batcher, NotServing, Overloaded
 
 INPUT_WIDTH = 16
+MAX_ABS_INPUT = 1e6  # beyond this the model's outputs could overflow to inf
 HIDDEN_WIDTH = 32
 OUTPUT_WIDTH = 4
 
@@ -94,8 +95,16 @@ def parse_inputs(body: bytes, max_rows: int) -> np.ndarray:
         for j, value in enumerate(row):
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise BadInput(f"row {i}, column {j} is {value!r}; expected a number")
-            if not math.isfinite(value):
-                raise BadInput(f"row {i}, column {j} is {value!r}; expected a finite number")
+            try:
+                number = float(value)  # a huge JSON integer does not fit a float
+            except OverflowError:
+                number = math.inf
+            if not math.isfinite(number) or abs(number) > MAX_ABS_INPUT:
+                shown = value if abs(number) < 1e300 else f"a number of {len(str(value))} digits"
+                raise BadInput(
+                    f"row {i}, column {j} is {shown}; expected a finite number of magnitude "
+                    f"at most {MAX_ABS_INPUT:g}"
+                )
     return np.asarray(rows, dtype=np.float64)
 
 

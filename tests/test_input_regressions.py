@@ -44,3 +44,8 @@ async def test_concurrent_consumers_of_one_iterator_all_finish(two):
 
     await asyncio.wait_for(asyncio.gather(consume("a"), consume("b")), 5)
     assert counts["a"] + counts["b"] == 6
+
+
+def test_from_function_checks_options(two):
+    with pytest.raises(ValueError, match=r"options=\{\}; expected aiodist.InputOptions"):
+        two.distribute_datasets_from_function(lambda ctx: [], options={})

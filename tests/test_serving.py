@@ -226,6 +226,8 @@ async def test_same_input_same_output_whatever_else_is_served():
         (json.dumps({"inputs": [[None] * 16]}).encode(), "column 0 is None"),
         (b'{"inputs": [[NaN' + b", 1" * 15 + b"]]}", "expected a finite number"),
         (json.dumps({"inputs": [[1.0] * 16] * 257}).encode(), "257 rows; at most 256"),
+        (b'{"inputs": [[' + b"9" * 400 + b", 1" * 15 + b"]]}", "a number of 400 digits"),
+        (json.dumps({"inputs": [[1e308] * 16]}).encode(), "magnitude at most 1e+06"),
     ],
     ids=[
         "json",
@@ -239,6 +241,8 @@ async def test_same_input_same_output_whatever_else_is_served():
         "null",
         "nan",
         "oversized",
+        "huge-int",
+        "huge-float",
     ],
 )
 async def test_bad_input_answers_400(payload, message):
