@@ -24,12 +24,25 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from ._streams import drive, step_through
+
 if TYPE_CHECKING:
     from ._scheduler import RunGroup
 
 __all__ = ["await_chain", "watchdog_for"]
 
 logger = logging.getLogger("aiodist")
+
+
+_SCHEDULER_FILE = os.path.join(os.path.dirname(__file__), "_scheduler.py")
+
+
+def _is_wrapper(code: Any) -> bool:
+    """aiodist's own coroutine wrappers: followed through, not shown (the user's
+    frames are what a stall report is about)."""
+    return code in (step_through.__code__, drive.__code__) or (
+        code.co_name == "_traced" and code.co_filename == _SCHEDULER_FILE
+    )
 
 
 def await_chain(coro: Any) -> list[str]:
@@ -40,7 +53,12 @@ def await_chain(coro: Any) -> list[str]:
         seen += 1
         frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
         code = getattr(coro, "cr_code", None) or getattr(coro, "gi_code", None)
-        if frame is not None and code is not None:
+        if code is step_through.__code__ and frame is not None:
+            # The stream driver steps its coroutine by hand (send/throw), so there is
+            # no yield-from link to follow: take the coroutine it drives.
+            coro = frame.f_locals.get("coro")
+            continue
+        if frame is not None and code is not None and not _is_wrapper(code):
             name = getattr(code, "co_qualname", code.co_name)
             chain.append(f"{name} ({_short(code.co_filename)}:{frame.f_lineno})")
         inner = getattr(coro, "cr_await", None)
@@ -84,7 +102,9 @@ class Watchdog:
         loop = self._loop()
         if loop is None:
             return
-        now = time.perf_counter()
+        # Timers may fire a little early (uvloop's clock ticks in milliseconds): count
+        # what is due within a millisecond as due, instead of re-arming for it.
+        now = time.perf_counter() + 0.001
         next_due = math.inf
         for group in list(self.groups):
             rendezvous = group._rendezvous

@@ -257,3 +257,25 @@ async def test_async_trace_and_one_trace_at_a_time(tmp_path, two):
     assert any(e["name"] == "all_reduce #0" for e in events)
     await two.run(fn)  # not recording any more
     assert not (tmp_path / "b.json").exists()
+
+
+async def test_await_chain_follows_the_stream_driver():
+    """GPU replicas are driven by _streams.drive; stall reports must still show user frames."""
+    from aiodist._stall import await_chain
+    from aiodist._streams import drive
+
+    event = asyncio.Event()
+
+    async def replica_fn():
+        await helper(event)
+
+    task = asyncio.create_task(drive(replica_fn(), lambda: None, lambda token: None))
+    await asyncio.sleep(0)
+    names = [entry.split(" (")[0] for entry in await_chain(task.get_coro())]
+    event.set()
+    await task
+    assert names[:3] == [
+        "test_await_chain_follows_the_stream_driver.<locals>.replica_fn",
+        "helper",
+        "stuck_in_io",
+    ]

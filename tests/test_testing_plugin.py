@@ -154,3 +154,14 @@ async def test_assert_same_on_replicas_combine_modes():
 
     with pytest.raises(AssertionError):
         await assert_same_on_replicas(wrong_shape, batch)
+
+
+async def test_default_tolerance_follows_the_dtype():
+    rng = np.random.default_rng(3)
+    batch = rng.uniform(0, 1000, size=(64, 8)).astype(np.float32)
+
+    async def loss_sum(rows):  # float32 sums in a different order per replica count
+        return rows.sum(dtype=np.float32)
+
+    for _ in range(5):
+        await assert_same_on_replicas(loss_sum, batch, combine="sum")
