@@ -31,7 +31,7 @@ class RendezvousInFlight:
         )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # snapshots compare by identity (hashable)
 class Statistics:
     """A strategy's activity: what is in flight now, and totals since it was made.
 

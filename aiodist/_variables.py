@@ -27,6 +27,7 @@ never half-way (concurrent runs do not lose updates).
 from __future__ import annotations
 
 import enum
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -538,10 +539,18 @@ async def update(
         copy_kwargs = select_replica(i, kwargs, len(copies))
         token = slots[i].backend.activate(slots[i].device, slots[i].stream) if slots else None
         try:
-            results.append(fn(copy, *copy_args, **copy_kwargs))
+            result = fn(copy, *copy_args, **copy_kwargs)
         finally:
             if slots:
                 slots[i].backend.deactivate(token)
+        if inspect.isawaitable(result):
+            if hasattr(result, "close"):
+                result.close()
+            raise InvalidArgumentError(
+                f"update: fn={fn!r} returned an awaitable; fn runs once per copy and must be "
+                "a plain function (for example lambda copy, value: copy.assign(value))."
+            )
+        results.append(result)
     if not group:
         return tuple(results)
     return results[0] if len(results) == 1 else Mirrored(results, variable._devices)

@@ -428,3 +428,16 @@ async def test_int_sync_on_read_variables_round_trip_and_assign(strategy, num_re
     await aiodist.restore_variables(path, [hits, count])
     np.testing.assert_array_equal(hits.read_value(), [2, 4, 6])
     assert int(count.read_value()) == 7
+
+
+async def test_update_refuses_an_async_fn(two):
+    with two.scope():
+        v = aiodist.Variable(0.0)
+
+    async def bump(copy):
+        copy.assign_add(1.0)
+
+    with two.scope():
+        with pytest.raises(ValueError, match=r"returned an awaitable; fn runs once per copy"):
+            await two.extended.update(v, bump)
+    assert copies(two, v) == [0.0, 0.0]
