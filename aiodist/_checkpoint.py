@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import tempfile
+import secrets
 import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -62,8 +62,19 @@ def _require_outside_replicas(where: str) -> None:
         )
 
 
+def _create_temporary(path: Path) -> tuple[int, str]:
+    """A new file beside ``path``. Created with mode 0o666 so the umask applies, as for
+    any file the user writes (``tempfile.mkstemp`` would force 0o600)."""
+    while True:
+        temporary = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            return os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), str(temporary)
+        except FileExistsError:
+            continue
+
+
 def _atomic_write(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, temporary = _create_temporary(path)
     try:
         with os.fdopen(fd, "wb") as file:
             # The .npz layout (one NAME.npy per array in a zip), written member by

@@ -441,3 +441,14 @@ async def test_update_refuses_an_async_fn(two):
         with pytest.raises(ValueError, match=r"returned an awaitable; fn runs once per copy"):
             await two.extended.update(v, bump)
     assert copies(two, v) == [0.0, 0.0]
+
+
+async def test_checkpoint_files_follow_the_umask(tmp_path):
+    import os
+
+    old = os.umask(0o022)
+    try:
+        path = await aiodist.save_variables(tmp_path / "p.npz", [aiodist.Variable(1.0)])
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644
