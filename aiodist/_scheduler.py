@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _context, _nest, _trace
 from ._devices import Device
-from ._errors import ContextError, ReplicaExitedError
+from ._errors import ContextError, RendezvousTimeoutError, ReplicaExitedError
 from ._options import CommunicationOptions
 from ._rendezvous import Rendezvous, Signature
 from ._replica_context import MergePayload, ReplicaContext
@@ -389,7 +389,7 @@ class RunGroup:
         backend = self.slots[0].backend
         token = backend.begin_cross_replica(self.slots)
         if signature.name == "merge_call":
-            return self._merge(payloads, backend, token)
+            return self._merge(number, payloads, backend, token)
         try:
             ops = self.strategy.extended._cross_device_ops
             first = payloads[0]
@@ -405,7 +405,7 @@ class RunGroup:
             return [leaves[0] for leaves in out]
         return [_nest.pack_as(p.template, leaves) for p, leaves in zip(payloads, out, strict=True)]
 
-    def _merge(self, payloads: list[MergePayload], backend: Any, token: object) -> Any:
+    def _merge(self, number: int, payloads: list[MergePayload], backend: Any, token: object) -> Any:
         merge_fn = payloads[0].merge_fn
         what = "passed to merge_call"
         args = regroup([p.args for p in payloads], self.devices, what=what, path="args")
@@ -424,14 +424,31 @@ class RunGroup:
         # replica that arrived last: asyncio.timeout(), TaskGroup and current_task()
         # inside it must not reach that replica.
         coro = result if type(result) is CoroutineType else _await(result)
-        task = get_running_loop().create_task(coro, context=context)
+        loop = get_running_loop()
+        task = loop.create_task(coro, context=context)
         self._aux.add(task)
-        outcome = task.get_loop().create_future()
+        outcome = loop.create_future()
+        # Every replica has arrived, so the rendezvous' own timeout no longer runs:
+        # timeout_seconds bounds the merge_fn itself.
+        timeout = self.strategy._communication_options.timeout_seconds
+        expiry = None
+        if timeout is not None:
+            expiry = loop.call_later(timeout, task.cancel)
 
         def finished(task: asyncio.Task) -> None:
             self._aux.discard(task)
             backend.end_cross_replica(token, self.slots)
-            if task.cancelled():
+            if expiry is not None:
+                expiry.cancel()
+            if task.cancelled() and timeout is not None and not self._cancelling:
+                outcome.set_exception(
+                    RendezvousTimeoutError(
+                        f"merge_call #{number}: merge_fn did not finish within {timeout:g} s "
+                        "(CommunicationOptions.timeout_seconds) and was cancelled; make it "
+                        "faster, or raise timeout_seconds."
+                    )
+                )
+            elif task.cancelled():
                 outcome.cancel()
             elif (exc := task.exception()) is not None:
                 outcome.set_exception(exc)

@@ -286,3 +286,20 @@ async def test_replica_cancelling_itself_fails_the_run_and_cancels_the_others(th
         await three.run(fn)
     assert sorted(cancelled) == [0, 2]
     assert asyncio.current_task().cancelling() == 0
+
+
+async def test_timeout_bounds_a_slow_async_merge_fn():
+    strategy = aiodist.MirroredStrategy(
+        cpu_devices(2), communication_options=aiodist.CommunicationOptions(timeout_seconds=0.05)
+    )
+
+    async def merge_fn(s):
+        await asyncio.Event().wait()  # never finishes
+
+    async def fn():
+        return await aiodist.get_replica_context().merge_call(merge_fn)
+
+    errors, raised = await run_collecting(strategy, fn)
+    assert isinstance(raised, aiodist.RendezvousTimeoutError)
+    assert "merge_call #0: merge_fn did not finish within 0.05 s" in str(raised)
+    assert sorted(errors) == [0, 1]
