@@ -30,7 +30,14 @@ import numpy as np
 from ._devices import Device
 from ._errors import DeviceError
 
-__all__ = ["CpuBackend", "backend_for", "cpu_backend", "visible_gpu_count"]
+__all__ = [
+    "CpuBackend",
+    "backend_for",
+    "cpu_backend",
+    "host_array",
+    "is_cupy_array",
+    "visible_gpu_count",
+]
 
 _CUPY_REMEDY = (
     "install CuPy for your CUDA version: pip install 'aiodist[cuda12]' (CUDA 12.x) "
@@ -87,6 +94,16 @@ class CpuBackend:
 
 
 cpu_backend = CpuBackend()
+
+
+def is_cupy_array(value: object) -> bool:
+    """Whether ``value`` is a CuPy array (without importing CuPy)."""
+    return type(value).__module__.startswith("cupy")
+
+
+def host_array(value: object) -> np.ndarray:
+    """``value`` as a NumPy array on the host (copied from the GPU for a CuPy array)."""
+    return value.get() if is_cupy_array(value) else np.asarray(value)  # type: ignore[attr-defined]
 
 
 def _cupy_installed() -> bool:

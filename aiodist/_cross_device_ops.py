@@ -25,7 +25,7 @@ import numpy as np
 
 from . import _context
 from ._arrays import check_reducible, gather_axis, leaf_text
-from ._backends import backend_for, cpu_backend
+from ._backends import backend_for, cpu_backend, is_cupy_array
 from ._devices import Device, parse_device
 from ._errors import InvalidArgumentError
 from ._host_reduce import combine as host_combine
@@ -60,7 +60,7 @@ def resolve_destinations(destinations: Any) -> tuple[Device, ...]:
         devices = tuple(destinations._aiodist_devices)
     elif isinstance(destinations, np.ndarray | np.generic):
         devices = (Device("CPU", 0),)
-    elif _is_cupy_array(destinations):
+    elif is_cupy_array(destinations):
         devices = (Device("GPU", int(destinations.device.id)),)
     elif isinstance(destinations, list | tuple) and destinations:
         devices = tuple(parse_device(d) for d in destinations)
@@ -77,10 +77,6 @@ def resolve_destinations(destinations: Any) -> tuple[Device, ...]:
 @functools.lru_cache(maxsize=256)
 def _all_cpu(devices: tuple[Device, ...]) -> bool:
     return all(device.kind == "CPU" for device in devices)
-
-
-def _is_cupy_array(value: object) -> bool:
-    return type(value).__module__.startswith("cupy") and hasattr(value, "device")
 
 
 def _pack_indices(arrays: Sequence[Any], bytes_per_pack: int) -> list[list[int]]:

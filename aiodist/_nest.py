@@ -18,7 +18,6 @@ __all__ = [
     "map_structure",
     "pack_as",
     "rebuild",
-    "same_shape",
     "skeleton",
 ]
 
@@ -96,20 +95,6 @@ def pack_as(template: object, leaves: list) -> Any:
         return next(iterator)
 
     return build(template)
-
-
-def same_shape(a: object, b: object) -> bool:
-    """Whether ``a`` and ``b`` have the same nesting (types, lengths and keys)."""
-    if not is_nested(a) or not is_nested(b):
-        return is_nested(a) == is_nested(b)
-    if type(a) is not type(b) and not (isinstance(a, list) and isinstance(b, list)):
-        return False
-    if isinstance(a, dict):
-        if set(a) != set(b):
-            return False
-    elif len(a) != len(b):
-        return False
-    return all(same_shape(x, y) for x, y in zip(children(a), children(b), strict=True))
 
 
 def map_structure(fn: Callable[[object], object], value: object) -> Any:

@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _context, _nest, _variables
 from ._arrays import as_axis, check_reducible
-from ._backends import backend_for, visible_gpu_count
+from ._backends import backend_for, host_array, visible_gpu_count
 from ._cross_device_ops import CrossDeviceOps, ReductionToOneDevice, check_alike
 from ._devices import Device, parse_device
 from ._errors import ContextError, DeviceError, InvalidArgumentError
@@ -427,13 +427,7 @@ class Strategy:
                 )
         else:
             parts = [value]
-        return [p if type(p) is np.ndarray else _to_host(p) for p in parts]
-
-
-def _to_host(value: Any) -> np.ndarray:
-    if type(value).__module__.startswith("cupy"):
-        return value.get()
-    return np.asarray(value)
+        return [p if type(p) is np.ndarray else host_array(p) for p in parts]
 
 
 def _normalise_axis(axis: Any, parts: list) -> tuple[int, ...]:

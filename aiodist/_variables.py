@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from . import _context
-from ._backends import backend_for
+from ._backends import backend_for, host_array, is_cupy_array
 from ._devices import Device
 from ._errors import ContextError, InvalidArgumentError
 from ._ops import ReduceOp
@@ -89,7 +89,7 @@ def _frozen(array: Any) -> Any:
 
 def _update_value(kind: str, old: Any, value: Any, where: str) -> Any:
     """The new copy for ``assign``/``assign_add``/``assign_sub`` of ``value`` onto ``old``."""
-    xp = __import__("cupy") if type(old).__module__.startswith("cupy") else np
+    xp = __import__("cupy") if is_cupy_array(old) else np
     value = xp.asarray(value)
     if kind == "assign_add":
         value = xp.asarray(old + value)  # ufuncs give scalars for 0-d arrays
@@ -133,7 +133,7 @@ class VariableCopy:
         return self._variable._values[self._index]
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        return np.array(_host(self.value()), dtype=dtype, copy=True)
+        return np.array(host_array(self.value()), dtype=dtype, copy=True)
 
     def _write(self, kind: str, value: Any) -> VariableCopy:
         variable = self._variable
@@ -154,10 +154,6 @@ class VariableCopy:
 
     def __repr__(self) -> str:
         return f"<VariableCopy {self._variable._name!r} on {self.device}: {self.value()!r}>"
-
-
-def _host(array: Any) -> np.ndarray:
-    return array.get() if type(array).__module__.startswith("cupy") else np.asarray(array)
 
 
 class Variable:
@@ -226,7 +222,7 @@ class Variable:
                 "one array or scalar (read a component first)."
             )
         try:
-            host = np.array(_host(initial_value), dtype=dtype)
+            host = np.array(host_array(initial_value), dtype=dtype)
         except (TypeError, ValueError) as exc:
             raise InvalidArgumentError(
                 f"{self._name}: initial_value={initial_value!r} is not an array of numbers ({exc})."
@@ -307,10 +303,10 @@ class Variable:
 
     def numpy(self) -> np.ndarray:
         """A host (NumPy) copy of ``read_value()``."""
-        return np.array(_host(self.read_value()), copy=True)
+        return np.array(host_array(self.read_value()), copy=True)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        value = _host(self.read_value())
+        value = host_array(self.read_value())
         return np.array(value, dtype=dtype, copy=True) if copy else np.asarray(value, dtype=dtype)
 
     def __float__(self) -> float:
@@ -381,13 +377,13 @@ class Variable:
     def _write_every_copy(self, kind: str, value: Any) -> None:
         new = []
         for device, old in zip(self._devices, self._values, strict=True):
-            placed = backend_for(device).asarray(_host(value), device)
+            placed = backend_for(device).asarray(host_array(value), device)
             new.append(_update_value(kind, old, placed, f"{self._name}.{kind}"))
         self._values[:] = new  # all copies change together, or none does
 
     def _saved_value(self) -> np.ndarray:
         """What a checkpoint stores: the value read in cross-replica context."""
-        return _host(self._values[0])
+        return host_array(self._values[0])
 
     def _restore(self, value: np.ndarray) -> None:
         self._write_every_copy("assign", value)
@@ -425,11 +421,11 @@ class MirroredVariable(Variable):
 
     def _aggregate(self, parts: Sequence[Any]) -> Any:
         if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
-            return _host(parts[0])
+            return host_array(parts[0])
         op = ReduceOp.SUM if self._aggregation is VariableAggregation.SUM else ReduceOp.MEAN
         ops = self._strategy.extended._cross_device_ops
-        arrays = [np.asarray(_host(p)) for p in parts]
-        return _host(ops._reduce_arrays(op, arrays, _HOST))
+        arrays = [np.asarray(host_array(p)) for p in parts]
+        return host_array(ops._reduce_arrays(op, arrays, _HOST))
 
 
 class SyncOnReadVariable(Variable):
@@ -462,8 +458,8 @@ class SyncOnReadVariable(Variable):
 
     def _saved_value(self) -> np.ndarray:
         if self._aggregation is VariableAggregation.NONE:
-            return _host(self._values[0])  # TF's rule: the first copy
-        value = np.asarray(_host(self._aggregate_copies()))
+            return host_array(self._values[0])  # TF's rule: the first copy
+        value = np.asarray(host_array(self._aggregate_copies()))
         if value.dtype != self.dtype:  # the MEAN of integer copies: saved in their dtype
             value = np.rint(value).astype(self.dtype)
         return value
@@ -477,7 +473,7 @@ class SyncOnReadVariable(Variable):
     def _assign_to_first_copy(self, value: Any) -> None:
         """Exact for every dtype: the first copy holds the value, the others zero, so
         the SUM read gives back exactly ``value``."""
-        value = np.asarray(_host(value))
+        value = np.asarray(host_array(value))
         new = []
         for i, (device, old) in enumerate(zip(self._devices, self._values, strict=True)):
             part = value if i == 0 else np.zeros_like(value)
@@ -503,7 +499,7 @@ class SyncOnReadVariable(Variable):
                 # put the whole value on the first copy instead (the SUM is the same).
                 self._assign_to_first_copy(value)
                 return self
-            value = np.asarray(_host(value)) / n  # TF's rule: the SUM read gives `value`
+            value = np.asarray(host_array(value)) / n  # TF's rule: the SUM read gives `value`
         self._write_every_copy(kind, value)
         return self
 
