@@ -244,18 +244,13 @@ class Rendezvous:
     def pending(self) -> list[tuple[str, int, list[int], list[int], float]]:
         """(name, call number, arrived, missing, perf_counter() of the first arrival)
         for every call in flight."""
-        everyone = range(self.num_replicas)
-        return [
-            (
-                call.name,
-                call.number,
-                sorted(call.arrivals),
-                [r for r in everyone if r not in call.arrivals],
-                call.started,
-            )
-            for call in self._pending.values()
-            if call.failure is None
-        ]
+        return [self._row(call) for call in self._pending.values() if call.failure is None]
+
+    def _missing(self, call: _Call) -> list[int]:
+        return [r for r in range(self.num_replicas) if r not in call.arrivals]
+
+    def _row(self, call: _Call) -> tuple[str, int, list[int], list[int], float]:
+        return (call.name, call.number, sorted(call.arrivals), self._missing(call), call.started)
 
     def due_stalls(self, now: float) -> tuple[list[tuple[str, int, list, list, float]], float]:
         """Calls in flight whose next stall report is due at ``now`` (perf_counter), as
@@ -265,13 +260,11 @@ class Rendezvous:
         intervals (2x, 4x, ...), so a long stall does not flood the log.
         """
         due, next_due = [], math.inf
-        everyone = range(self.num_replicas)
         for call in self._pending.values():
             if call.stall_after is None or call.failure is not None:
                 continue
             if now >= call.started + call.next_warning:
-                missing = [r for r in everyone if r not in call.arrivals]
-                due.append((call.name, call.number, sorted(call.arrivals), missing, call.started))
+                due.append(self._row(call))
                 call.next_warning *= 2
             next_due = min(next_due, call.started + call.next_warning)
         return due, next_due
@@ -332,7 +325,7 @@ class Rendezvous:
         call.timer = None
         if call.failure is not None or self._pending.get(call.number) is not call:
             return
-        missing = [r for r in range(self.num_replicas) if r not in call.arrivals]
+        missing = self._missing(call)
         self._fail(
             call,
             RendezvousTimeoutError(
@@ -365,7 +358,7 @@ class Rendezvous:
         for replica, (signature, _) in call.arrivals.items():
             by_text.setdefault(signature.text, []).append(replica)
         calls = "; ".join(f"{_replicas(ids)} called {text}" for text, ids in by_text.items())
-        missing = [r for r in range(self.num_replicas) if r not in call.arrivals]
+        missing = self._missing(call)
         not_yet = f" ({_replicas(missing)} not arrived yet)" if missing else ""
         return (
             f"collective #{call.number} does not match across replicas: {calls}{not_yet}; "
