@@ -185,10 +185,7 @@ class ReplicaContext:
         op = _OPS.get(reduce_op) if type(reduce_op) is str else None
         if op is None:
             op = ReduceOp.of(reduce_op)
-        if options is None:
-            options = self._strategy._communication_options
-        else:
-            options = self._strategy._communication_options.merge(options)
+        options = self._options(options)
         nested = isinstance(value, _NESTED)
         if nested or isinstance(value, DistributedValues):
             arrays = self._arrays(group, value, nested, "all_reduce")

@@ -212,10 +212,8 @@ class RunGroup:
             remaining -= 1
             if task.cancelled() or task.exception() is not None:
                 self._replica_failed(rid, task)
-            elif self._rendezvous is not None:  # the common case, inline: it runs N times a run
-                self._rendezvous.replica_exited(rid, "returned")
             else:
-                self._exits.append((rid, "returned"))
+                self._replica_exited(rid, "returned")
             if remaining == 0 and not all_done.done():
                 all_done.set_result(None)
 
