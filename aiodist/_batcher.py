@@ -60,6 +60,13 @@ class _Request:
         self.taken = False  # left the queue (batched, or dropped); its rows are uncounted
 
 
+def _fail(requests: Any, exc: BaseException) -> None:
+    """Answer every request still waiting with ``exc`` (one object for all)."""
+    for request in requests:
+        if not request.future.done():
+            request.future.set_exception(exc)
+
+
 class BatcherStats:
     """Counters and recent latencies of a batcher (``batcher.stats()``)."""
 
@@ -195,12 +202,11 @@ class Batcher:
             if not leftover.done():
                 leftover.cancel()
         await asyncio.gather(task, *self._running, return_exceptions=True)
-        while self._queue:
-            request = self._queue.popleft()
-            if not request.future.done():
-                request.future.set_exception(
-                    NotServing("the batcher stopped before this request ran; retry elsewhere.")
-                )
+        _fail(
+            self._queue,
+            NotServing("the batcher stopped before this request ran; retry elsewhere."),
+        )
+        self._queue.clear()
         self._queued_rows = 0
         self._loop_task = None
 
@@ -327,20 +333,16 @@ class Batcher:
                 rows = np.concatenate([request.rows for request in batch])
                 outputs = await self._run_batch(rows)
             except asyncio.CancelledError:  # stop() ran out of time: answer, never hang
-                for request in batch:
-                    if not request.future.done():
-                        request.future.set_exception(
-                            NotServing(
-                                "the batcher stopped before this request's batch finished; "
-                                "retry elsewhere."
-                            )
-                        )
+                _fail(
+                    batch,
+                    NotServing(
+                        "the batcher stopped before this request's batch finished; retry elsewhere."
+                    ),
+                )
                 raise
             except Exception as exc:
                 self._failed += 1
-                for request in batch:
-                    if not request.future.done():
-                        request.future.set_exception(exc)
+                _fail(batch, exc)
                 return
             self._batches += 1
             self._rows += len(rows)
