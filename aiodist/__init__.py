@@ -16,7 +16,7 @@ from ._context import (
     has_strategy,
     in_cross_replica_context,
 )
-from ._cross_device_ops import CrossDeviceOps, ReductionToOneDevice
+from ._cross_device_ops import CrossDeviceOps, NcclAllReduce, ReductionToOneDevice
 from ._devices import Device, canonical_device
 from ._errors import (
     AiodistError,
@@ -40,6 +40,7 @@ from ._strategy import (
     Strategy,
     StrategyExtended,
     ValueContext,
+    ready,
 )
 from ._trace import trace
 from ._values import DistributedValues, Mirrored, PerReplica
@@ -72,6 +73,7 @@ __all__ = [
     "Mirrored",
     "MirroredStrategy",
     "MirroredVariable",
+    "NcclAllReduce",
     "OneDeviceStrategy",
     "PerReplica",
     "ReduceOp",
@@ -97,6 +99,7 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "ready",
     "restore_variables",
     "run",
     "save_variables",

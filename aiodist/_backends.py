@@ -9,10 +9,12 @@ surface:
   no streams), and ``activate(device, stream)`` / ``deactivate(token)`` make that
   device and stream current around every step of the replica's coroutine
   (``needs_activation`` is False where this is a no-op, so the scheduler skips it);
-- ``begin_cross_replica(slots)`` / ``end_cross_replica(token, slots)`` bracket
-  cross-replica work (collectives, ``merge_fn``) so it is ordered after each
-  replica's pending work and each replica's later work after it (CUDA events on
-  GPUs; nothing on the host, whose work is already done when issued);
+- ``begin_cross_replica(slots, first)`` / ``end_cross_replica(token, slots)``
+  bracket cross-replica work (collectives, ``merge_fn``) so it is ordered after
+  each replica's pending work and each replica's later work after it (CUDA
+  events on GPUs; nothing on the host, whose work is already done when issued),
+  and ``enter_cross_replica(token)`` / ``leave_cross_replica(saved)`` make the
+  streams that work is issued on current around each synchronous stretch of it;
 - ``asarray(value, device)`` places a value on a device, ``to_host(array)``
   copies it back, and ``xp`` is the array namespace (``numpy`` or ``cupy``).
 
@@ -36,6 +38,7 @@ __all__ = [
     "cpu_backend",
     "host_array",
     "is_cupy_array",
+    "loaded_gpu_backend",
     "visible_gpu_count",
 ]
 
@@ -69,7 +72,13 @@ class CpuBackend:
     def deactivate(self, token: object) -> None:
         return None
 
-    def begin_cross_replica(self, slots: Any) -> None:
+    def begin_cross_replica(self, slots: Any, first: Device | None = None) -> None:
+        return None
+
+    def enter_cross_replica(self, token: object) -> None:
+        return None
+
+    def leave_cross_replica(self, saved: object) -> None:
         return None
 
     def end_cross_replica(self, token: object, slots: Any) -> None:
@@ -123,6 +132,10 @@ def visible_gpu_count() -> int:
 
 
 def _gpu_backend(device: Device) -> Any:
+    global _gpu
+    if _gpu is not None:  # checked once already: only the index remains to check
+        _gpu.check(device)
+        return _gpu
     if not _cupy_installed():
         raise DeviceError(
             f"device {str(device)!r} is a GPU, but CuPy is not installed; {_CUPY_REMEDY}. "
@@ -138,17 +151,25 @@ def _gpu_backend(device: Device) -> Any:
             "check the NVIDIA driver and that CuPy matches its CUDA version. "
             "Available here: CPU devices (e.g. 'cpu:0', 'cpu:1')."
         ) from exc
-    if device.index >= count:
-        gpus = ", ".join(f"'GPU:{i}'" for i in range(count)) or "none"
+    if count == 0:
         raise DeviceError(
-            f"device {str(device)!r} does not exist: CuPy sees {count} GPU(s) ({gpus}). "
-            "Available here: those GPUs and CPU devices (e.g. 'cpu:0')."
+            f"device {str(device)!r} is a GPU, but CuPy sees no GPU here; check "
+            "CUDA_VISIBLE_DEVICES and the NVIDIA driver. Available here: CPU devices "
+            "(e.g. 'cpu:0', 'cpu:1')."
         )
-    raise DeviceError(
-        f"device {str(device)!r}: GPU replicas are not implemented in this version of "
-        "aiodist yet (the CuPy stream backend is the next milestone); use CPU devices "
-        "such as 'cpu:0', 'cpu:1' meanwhile."
-    )
+    from ._cuda import GpuBackend  # imports CuPy: only once a GPU is asked for
+
+    _gpu = GpuBackend()
+    _gpu.check(device)
+    return _gpu
+
+
+_gpu: Any = None  # the GPU backend, made on first use
+
+
+def loaded_gpu_backend() -> Any:
+    """The GPU backend if a GPU device was ever asked for, else None (no CuPy import)."""
+    return _gpu
 
 
 def backend_for(device: Device) -> Any:

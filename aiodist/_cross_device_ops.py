@@ -10,6 +10,11 @@ order), which the scheduler calls when a collective completes:
 - ``_all_reduce_flat`` / ``_all_gather_flat``: the replica-context collectives,
   on lists of leaves (one list per replica).
 
+On GPUs the scheduler issues these on per-device *cross streams* ordered after
+and before the replicas' streams by CUDA events (``_cuda``), except for ops with
+``_on_replica_streams`` set (``NcclAllReduce``), which issue each rank's part
+on its replica's own stream.
+
 Results on CPU devices: every destination receives its own *read-only view* of
 one shared result buffer (logical CPU devices share host memory, so a copy per
 replica would only cost bandwidth). Copy a result (``x.copy()``) to modify it.
@@ -33,7 +38,7 @@ from ._ops import ReduceOp
 from ._options import CommunicationOptions
 from ._values import DistributedValues, Mirrored
 
-__all__ = ["CrossDeviceOps", "ReductionToOneDevice", "resolve_destinations"]
+__all__ = ["CrossDeviceOps", "NcclAllReduce", "ReductionToOneDevice", "resolve_destinations"]
 
 
 _NUMPY_UFUNCS = {op: getattr(np, op.ufunc) for op in ReduceOp}
@@ -100,8 +105,15 @@ class CrossDeviceOps:
     primitives; the public coroutines are built on them.
     """
 
+    # Whether the replica-context collectives issue work on the replicas' own
+    # streams (NCCL) rather than on cross streams bracketed by events.
+    _on_replica_streams = False
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+    def _check_devices(self, devices: Sequence[Device]) -> None:
+        """Raise ``InvalidArgumentError`` if these ops cannot serve ``devices``."""
 
     # -- primitives ----------------------------------------------------------------
 
@@ -130,15 +142,22 @@ class CrossDeviceOps:
         per_replica: Sequence[Sequence[Any]],
         devices: Sequence[Device],
         options: CommunicationOptions,
+        streams: Sequence[Any] = (),
     ) -> list[list]:
-        """All-reduce lists of leaves: ``per_replica[r][i]`` is replica r's leaf i."""
+        """All-reduce lists of leaves: ``per_replica[r][i]`` is replica r's leaf i.
+
+        ``streams`` are the replicas' streams (used by ops that issue on them).
+        """
         target = self._gather_device(devices)
         first = per_replica[0]
         if len(first) == 1:  # one array each: no packing
             reduced = self._reduce_arrays(op, [leaves[0] for leaves in per_replica], target)
             return [[view] for view in self._broadcast_array(reduced, devices)]
         out: list[list] = [[None] * len(first) for _ in per_replica]
-        xp = backend_for(target).xp
+        backend = backend_for(target)
+        xp = backend.xp
+        if backend is not cpu_backend:  # packs are built on the device that reduces them
+            per_replica = [[backend.asarray(a, target) for a in leaves] for leaves in per_replica]
         for pack in _pack_indices(first, options.bytes_per_pack):
             if len(pack) == len(first):  # the usual case: one dtype, one pack
                 buffers = [xp.concatenate(leaves, axis=None) for leaves in per_replica]
@@ -181,6 +200,7 @@ class CrossDeviceOps:
         axis: int,
         devices: Sequence[Device],
         options: CommunicationOptions,
+        streams: Sequence[Any] = (),
     ) -> list[list]:
         target = self._gather_device(devices)
         backend = backend_for(target)
@@ -311,6 +331,16 @@ class ReductionToOneDevice(CrossDeviceOps):
     def _gather_device(self, destinations: Sequence[Device]) -> Device:
         return self.reduce_to_device or destinations[0]
 
+    def _check_devices(self, devices: Sequence[Device]) -> None:
+        target = self.reduce_to_device
+        if target is not None and any(d.kind != target.kind for d in devices):
+            raise InvalidArgumentError(
+                f"ReductionToOneDevice(reduce_to_device={str(target)!r}) cannot serve "
+                f"replicas on {[str(d) for d in devices]}: reducing on a {target.kind} "
+                f"for replicas on another kind of device would wait for the GPU on the "
+                "event loop; choose one of the replicas' devices."
+            )
+
     def _reduce_arrays(self, op: ReduceOp, arrays: Sequence[Any], target: Device) -> Any:
         target = self.reduce_to_device or target
         backend = backend_for(target)
@@ -336,6 +366,93 @@ class ReductionToOneDevice(CrossDeviceOps):
             else:  # integers: a float mean, as TensorFlow and NumPy give
                 total = xp.asarray(xp.true_divide(total, len(values)))
         return total
+
+
+class NcclAllReduce(CrossDeviceOps):
+    """All-reduce with NCCL across GPUs, each rank on its replica's own stream.
+
+    Args:
+        num_packs: how many NCCL calls a batch of values of one dtype is cut
+            into (``CommunicationOptions(bytes_per_pack=...)`` takes precedence
+            when set). 0 or 1: one call per dtype.
+
+    Communicators are created once per tuple of devices and reused. Every
+    multi-rank call is issued between ``groupStart()`` and ``groupEnd()``: one
+    thread drives every GPU, and NCCL would otherwise wait forever for ranks
+    that thread has not reached yet. ``all_gather`` goes through NCCL too
+    (uneven lengths are padded); reductions in cross-replica context
+    (``strategy.extended.reduce_to``) reduce on one device, as
+    ``ReductionToOneDevice`` does, and broadcast with NCCL.
+
+    Needs distinct GPU devices (one rank per GPU) and NCCL; the default for a
+    ``MirroredStrategy`` over two or more distinct GPUs.
+    """
+
+    _on_replica_streams = True
+
+    def __init__(self, num_packs: int = 1):
+        if isinstance(num_packs, bool) or not isinstance(num_packs, int) or num_packs < 0:
+            raise InvalidArgumentError(
+                f"NcclAllReduce(num_packs={num_packs!r}); expected an int >= 0."
+            )
+        self.num_packs = num_packs
+        self._one_device = ReductionToOneDevice()
+
+    def __repr__(self) -> str:
+        return f"NcclAllReduce(num_packs={self.num_packs})"
+
+    def _check_devices(self, devices: Sequence[Device]) -> None:
+        if any(d.kind != "GPU" for d in devices):
+            raise InvalidArgumentError(
+                f"NcclAllReduce needs GPU devices, got {[str(d) for d in devices]}; use "
+                "ReductionToOneDevice for CPU devices."
+            )
+        from . import _cuda
+
+        _cuda.check_nccl_devices(devices)
+
+    def _reduce_arrays(self, op: ReduceOp, arrays: Sequence[Any], target: Device) -> Any:
+        return self._one_device._reduce_arrays(op, arrays, target)
+
+    def _broadcast_array(self, array: Any, destinations: Sequence[Device]) -> list:
+        if len(destinations) < 2 or len(set(destinations)) != len(destinations):
+            return super()._broadcast_array(array, destinations)
+        from . import _cuda
+
+        backend = backend_for(destinations[0])
+        return _cuda.broadcast(backend.asarray(array, destinations[0]), destinations, backend)
+
+    def _all_reduce_flat(
+        self,
+        op: ReduceOp,
+        per_replica: Sequence[Sequence[Any]],
+        devices: Sequence[Device],
+        options: CommunicationOptions,
+        streams: Sequence[Any] = (),
+    ) -> list[list]:
+        from . import _cuda
+
+        return _cuda.all_reduce(
+            op,
+            per_replica,
+            devices,
+            streams,
+            self.num_packs,
+            options.bytes_per_pack,
+            backend_for(devices[0]),
+        )
+
+    def _all_gather_flat(
+        self,
+        per_replica: Sequence[Sequence[Any]],
+        axis: int,
+        devices: Sequence[Device],
+        options: CommunicationOptions,
+        streams: Sequence[Any] = (),
+    ) -> list[list]:
+        from . import _cuda
+
+        return _cuda.all_gather(per_replica, axis, devices, streams, backend_for(devices[0]))
 
 
 def _components(value: Any, where: str) -> list:

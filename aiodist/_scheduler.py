@@ -128,6 +128,7 @@ class RunGroup:
         self.slots = slots
         self.num_replicas = len(slots)
         self.devices = tuple(slot.device for slot in slots)
+        self.streams = tuple(slot.stream for slot in slots)
         # A run whose replicas never meet creates no rendezvous.
         self._rendezvous: Rendezvous | None = None
         self._exits: list[tuple[int, str]] = []  # replica exits before the rendezvous existed
@@ -385,25 +386,51 @@ class RunGroup:
 
     def _execute_now(self, number: int, signature: Signature, payloads: list) -> Any:
         backend = self.slots[0].backend
-        token = backend.begin_cross_replica(self.slots)
+        if not backend.needs_activation:  # host devices: no streams to order
+            if signature.name == "merge_call":
+                return self._merge(number, payloads, None, None)
+            return self._collective(signature, payloads)
+        ops = self.strategy.extended._cross_device_ops
+        if signature.name != "merge_call" and ops._on_replica_streams:
+            return self._collective(signature, payloads)  # e.g. NCCL, on each replica's stream
+        # Cross streams wait for every replica's queued work, are current while the
+        # work is issued, and every replica's later work waits for them.
+        order = backend.begin_cross_replica(self.slots, ops._gather_device(self.devices))
+        saved = backend.enter_cross_replica(order)
         if signature.name == "merge_call":
-            return self._merge(number, payloads, backend, token)
+            try:
+                return self._merge(number, payloads, backend, order)
+            finally:
+                backend.leave_cross_replica(saved)
         try:
-            ops = self.strategy.extended._cross_device_ops
-            first = payloads[0]
-            arrays = [payload.arrays for payload in payloads]
-            self.bytes_reduced += sum(map(_NBYTES, first.arrays)) * self.num_replicas
-            if signature.name == "all_reduce":
-                out = ops._all_reduce_flat(first.op, arrays, self.devices, first.options)
-            else:
-                out = ops._all_gather_flat(arrays, first.axis, self.devices, first.options)
+            return self._collective(signature, payloads)
         finally:
-            backend.end_cross_replica(token, self.slots)
-        if payloads[0].template is None:  # one array each (signatures matched)
+            backend.leave_cross_replica(saved)
+            backend.end_cross_replica(order, self.slots)
+
+    def _collective(self, signature: Signature, payloads: list) -> list:
+        ops = self.strategy.extended._cross_device_ops
+        first = payloads[0]
+        arrays = [payload.arrays for payload in payloads]
+        self.bytes_reduced += sum(map(_NBYTES, first.arrays)) * self.num_replicas
+        devices, options, streams = self.devices, first.options, self.streams
+        if signature.name == "all_reduce":
+            out = ops._all_reduce_flat(first.op, arrays, devices, options, streams)
+        else:
+            out = ops._all_gather_flat(arrays, first.axis, devices, options, streams)
+        if first.template is None:  # one array each (signatures matched)
             return [leaves[0] for leaves in out]
         return [_nest.pack_as(p.template, leaves) for p, leaves in zip(payloads, out, strict=True)]
 
-    def _merge(self, number: int, payloads: list[MergePayload], backend: Any, token: object) -> Any:
+    def _merge(self, number: int, payloads: list[MergePayload], backend: Any, order: object) -> Any:
+        """Run ``merge_fn`` once. ``backend`` and ``order`` are set on devices with
+        streams: the cross-replica work is then finished with ``end_cross_replica``
+        once issued, and an async ``merge_fn`` steps with the cross streams current."""
+
+        def issued() -> None:
+            if backend is not None:
+                backend.end_cross_replica(order, self.slots)
+
         merge_fn = payloads[0].merge_fn
         what = "passed to merge_call"
         args = regroup([p.args for p in payloads], self.devices, what=what, path="args")
@@ -412,16 +439,20 @@ class RunGroup:
         try:
             result = context.run(merge_fn, self.strategy, *args, **kwargs)
         except BaseException:
-            backend.end_cross_replica(token, self.slots)
+            issued()
             raise
         if type(result) is not CoroutineType and not _awaitable(result):
-            backend.end_cross_replica(token, self.slots)
+            issued()
             return self._for_each_replica(result)
 
         # An async merge_fn runs in a task of its own, never in the step of the
         # replica that arrived last: asyncio.timeout(), TaskGroup and current_task()
         # inside it must not reach that replica.
         coro = result if type(result) is CoroutineType else _await(result)
+        if backend is not None:  # each of its steps on the cross streams
+            coro = drive(
+                coro, partial(backend.enter_cross_replica, order), backend.leave_cross_replica
+            )
         loop = get_running_loop()
         task = loop.create_task(coro, context=context)
         self._aux.add(task)
@@ -435,7 +466,7 @@ class RunGroup:
 
         def finished(task: asyncio.Task) -> None:
             self._aux.discard(task)
-            backend.end_cross_replica(token, self.slots)
+            issued()
             if expiry is not None:
                 expiry.cancel()
             if task.cancelled() and timeout is not None and not self._cancelling:

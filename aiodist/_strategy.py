@@ -18,8 +18,8 @@ import numpy as np
 
 from . import _context, _nest, _variables
 from ._arrays import as_axis, check_reducible
-from ._backends import backend_for, host_array, visible_gpu_count
-from ._cross_device_ops import CrossDeviceOps, ReductionToOneDevice, check_alike
+from ._backends import backend_for, is_cupy_array, visible_gpu_count
+from ._cross_device_ops import CrossDeviceOps, NcclAllReduce, ReductionToOneDevice, check_alike
 from ._devices import Device, parse_device
 from ._errors import ContextError, DeviceError, InvalidArgumentError
 from ._input import DistributedDataset, InputContext, InputOptions, from_function
@@ -36,6 +36,7 @@ __all__ = [
     "Strategy",
     "StrategyExtended",
     "ValueContext",
+    "ready",
 ]
 
 _HOST = Device("CPU", 0)
@@ -85,7 +86,24 @@ def _parse_devices(devices: Any) -> tuple[Device, ...]:
         )
     for device in parsed:
         backend_for(device).check(device)
+    kinds = {device.kind for device in parsed}
+    if len(kinds) > 1:
+        raise DeviceError(
+            f"devices={[str(d) for d in parsed]} mix CPU and GPU devices; expected "
+            "replicas all on GPUs or all on CPU devices."
+        )
     return parsed
+
+
+def _default_cross_device_ops(devices: tuple[Device, ...]) -> CrossDeviceOps:
+    """NCCL for two or more distinct GPUs when NCCL loads, else ReductionToOneDevice."""
+    distinct = len(set(devices)) == len(devices)
+    if len(devices) >= 2 and distinct and all(d.kind == "GPU" for d in devices):
+        from . import _cuda
+
+        if _cuda.nccl_version() is not None:
+            return NcclAllReduce()
+    return ReductionToOneDevice()
 
 
 def _default_devices() -> tuple[Device, ...]:
@@ -130,9 +148,13 @@ class StrategyExtended:
         _context.require_cross_replica(self._strategy, "reduce_to")
         op = ReduceOp.of(reduce_op)
         options = self._strategy._communication_options.merge(options)
-        return await self._cross_device_ops.reduce(
-            op, self._distributed(op, value), destinations, options
-        )
+        ordered = self._strategy._order_before_cross_replica()
+        try:
+            return await self._cross_device_ops.reduce(
+                op, self._distributed(op, value), destinations, options
+            )
+        finally:
+            self._strategy._order_after_cross_replica(ordered)
 
     async def batch_reduce_to(
         self,
@@ -153,12 +175,20 @@ class StrategyExtended:
                 f"batch_reduce_to: value_destination_pairs={value_destination_pairs!r}; "
                 "expected a list of (value, destinations) pairs."
             ) from None
-        return await self._cross_device_ops.batch_reduce(op, pairs, options)
+        ordered = self._strategy._order_before_cross_replica()
+        try:
+            return await self._cross_device_ops.batch_reduce(op, pairs, options)
+        finally:
+            self._strategy._order_after_cross_replica(ordered)
 
     async def broadcast_to(self, value: Any, destinations: Any) -> Any:
         """Copy ``value`` to every device of ``destinations``."""
         _context.require_cross_replica(self._strategy, "broadcast_to")
-        return await self._cross_device_ops.broadcast(value, destinations)
+        ordered = self._strategy._order_before_cross_replica()
+        try:
+            return await self._cross_device_ops.broadcast(value, destinations)
+        finally:
+            self._strategy._order_after_cross_replica(ordered)
 
     async def update(
         self,
@@ -220,11 +250,13 @@ class Strategy:
             )
         self._devices = tuple(devices)
         self._communication_options = communication_options
+        cross_device_ops = cross_device_ops or _default_cross_device_ops(self._devices)
+        cross_device_ops._check_devices(self._devices)
         self._slots = tuple(
             ReplicaSlot(i, device, backend_for(device), backend_for(device).new_stream(device))
             for i, device in enumerate(self._devices)
         )
-        self._extended = StrategyExtended(self, cross_device_ops or ReductionToOneDevice())
+        self._extended = StrategyExtended(self, cross_device_ops)
         self._live_groups: set = set()  # runs in flight (statistics, stall reports)
         self._counters = Counters()
         # One handle per replica, shared by every run (the run is in the context state).
@@ -381,7 +413,7 @@ class Strategy:
         """
         _context.require_cross_replica(self, "reduce")
         op = ReduceOp.of(reduce_op)
-        parts = self._host_components(value)
+        parts = await self._host_components(value)
         if len(parts) == 1:
             self.extended._distributed(op, value)  # raises for SUM/PRODUCT of a plain value
         if axis is not None:
@@ -413,11 +445,13 @@ class Strategy:
         """
         _context.require_cross_replica(self, "gather")
         axis = as_axis(axis, "gather")
-        parts = self._host_components(value)
+        parts = await self._host_components(value)
         components = PerReplica(parts, (_HOST,) * len(parts)) if len(parts) > 1 else parts[0]
         return await self.extended._cross_device_ops.gather(components, _HOST, axis)
 
-    def _host_components(self, value: Any) -> list:
+    async def _host_components(self, value: Any) -> list:
+        """The components of ``value`` as host arrays; GPU components are copied in
+        stream order while the loop keeps running."""
         if isinstance(value, DistributedValues):
             parts = list(value._values)
             if len(parts) != self.num_replicas_in_sync:
@@ -427,7 +461,33 @@ class Strategy:
                 )
         else:
             parts = [value]
-        return [p if type(p) is np.ndarray else host_array(p) for p in parts]
+        on_gpu = [i for i, p in enumerate(parts) if is_cupy_array(p)]
+        if on_gpu:
+            backend = backend_for(Device("GPU", parts[on_gpu[0]].device.id))
+            ordered = self._order_before_cross_replica()
+            copies = await backend.to_host_async([parts[i] for i in on_gpu])
+            self._order_after_cross_replica(ordered)
+            for i, copy in zip(on_gpu, copies, strict=True):
+                parts[i] = copy
+        return [p if type(p) is np.ndarray else np.asarray(p) for p in parts]
+
+    # -- ordering cross-replica work on GPUs ----------------------------------------------
+
+    def _order_before_cross_replica(self) -> bool:
+        """On GPUs, make the current streams wait for the work queued on every replica
+        stream, so cross-replica code sees the replicas' results. Returns whether
+        ``_order_after_cross_replica`` has work to do."""
+        backend = self._slots[0].backend
+        if not backend.needs_activation:
+            return False
+        backend.order_after_replicas(self._slots)
+        return True
+
+    def _order_after_cross_replica(self, ordered: bool) -> None:
+        """On GPUs, make every replica stream's later work wait for the work just
+        queued on the current streams (the counterpart of the above)."""
+        if ordered:
+            self._slots[0].backend.order_replicas_after(self._slots)
 
 
 def _normalise_axis(axis: Any, parts: list) -> tuple[int, ...]:
@@ -448,6 +508,45 @@ def _normalise_axis(axis: Any, parts: list) -> tuple[int, ...]:
                 )
         out.append(a % parts[0].ndim)
     return tuple(out)
+
+
+async def ready(value: Any = None) -> Any:
+    """Wait until the GPU work queued so far is done, without blocking the event loop.
+
+    Inside a replica function this waits for the replica's own stream; in
+    cross-replica context, for the current streams of the devices involved,
+    after ordering them behind the current strategy's replica streams (so a
+    ``PerReplica`` from ``run`` is covered inside ``strategy.scope()``). The
+    devices are those holding ``value``'s CuPy arrays (distributed values and
+    nested structures included), or the current device when there are none.
+    Returns ``value``. Without GPUs it returns at once.
+
+    A device error (say, an illegal address in a kernel) is raised here as
+    CuPy's ``CUDARuntimeError`` rather than hanging.
+
+    Examples:
+        >>> import numpy as np
+        >>> import aiodist
+        >>> aiodist.run(aiodist.ready(np.ones(2)))
+        array([1., 1.])
+    """
+    from . import _backends
+
+    backend = _backends.loaded_gpu_backend()
+    if backend is None:  # no GPU device was ever asked for: nothing can be queued
+        return value
+    leaves = []
+    for leaf in _nest.flatten(value):
+        leaves.extend(leaf._values if isinstance(leaf, DistributedValues) else (leaf,))
+    indices = {leaf.device.id for leaf in leaves if is_cupy_array(leaf)}
+    state = _context.current_state()
+    if state.replica is None:
+        strategy = _context.get_strategy()
+        if strategy._slots[0].backend is backend:
+            backend.order_after_replicas(strategy._slots)
+            indices.update(slot.device.index for slot in strategy._slots)
+    await backend.streams_ready(indices)
+    return value
 
 
 class MirroredStrategy(Strategy):

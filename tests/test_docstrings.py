@@ -13,7 +13,8 @@ import aiodist
 MODULES = sorted(
     name
     for info in pkgutil.iter_modules(aiodist.__path__, prefix="aiodist.")
-    if (name := info.name) not in {"aiodist.__main__"}
+    # _cuda imports CuPy (and holds no examples): it is loaded only with a GPU.
+    if (name := info.name) not in {"aiodist.__main__", "aiodist._cuda"}
 )
 
 

@@ -41,9 +41,16 @@ class TrackingBackend(CpuBackend):
     def deactivate(self, token):
         self.current = token
 
-    def begin_cross_replica(self, slots):
+    def begin_cross_replica(self, slots, first=None):
         self.cross_replica.append(("begin", self.current))
         return len(self.cross_replica)
+
+    def enter_cross_replica(self, token):
+        previous, self.current = self.current, "cross"
+        return previous
+
+    def leave_cross_replica(self, saved):
+        self.current = saved
 
     def end_cross_replica(self, token, slots):
         self.cross_replica.append(("end", token))

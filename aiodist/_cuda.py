@@ -1,0 +1,593 @@
+"""GPU devices through CuPy: a stream per replica, event ordering, awaiting the GPU.
+
+This module imports CuPy, so nothing imports it until a GPU device is asked for
+(``_backends.backend_for``). Three rules hold everything here together:
+
+1. **Current device and stream are per thread in CuPy**, and every replica
+   coroutine shares the loop's thread. ``activate`` / ``deactivate`` make a
+   replica's device and stream current around each step of its coroutine
+   (``_streams.step_through``) and restore what was current before, so no other
+   task ever runs on a replica's stream.
+2. **Ordering is expressed with CUDA events, never with host synchronisation.**
+   Cross-replica work runs on one *cross stream* per device. Before it starts,
+   every cross stream waits on an event recorded on every replica stream
+   (``begin_cross_replica``); after it is issued, every replica stream waits on
+   an event recorded on every cross stream (``end_cross_replica``). Nothing
+   here blocks the event loop: the host only *issues* work.
+3. **Waiting for the GPU from async code polls an event from the loop**
+   (``wait_event``): ``cudaEventQuery`` with a growing pause, never a host
+   callback on the driver's thread, and never ``Event.done``, which reports a
+   device error as "not done" forever. An error status raises.
+
+CuPy's memory pool keeps one arena per stream: memory freed by a replica is
+reused only by later work on that replica's stream, which the events above
+order after any cross-replica work still reading it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import cupy
+import cupyx
+import numpy as np
+from cupy.cuda import runtime
+
+from ._devices import Device
+from ._errors import DeviceError, InvalidArgumentError
+from ._ops import ReduceOp
+
+__all__ = ["GpuBackend", "nccl_version", "wait_event"]
+
+# cudaEventQuery's "not ready" status (cudaErrorNotReady; HIP uses the same value).
+_NOT_READY = 600
+# Pauses between event queries: the first check is immediate, then 50 µs,
+# doubling up to 2 ms, so a short wait costs little latency and a long one
+# little CPU.
+_FIRST_PAUSE = 50e-6
+_LONGEST_PAUSE = 2e-3
+
+
+def _event_on(stream: Any, index: int) -> Any:
+    """A timing-free event recorded on ``stream`` (of device ``index``).
+
+    An event must be created on its stream's device; the current device is
+    switched only when it differs, and restored.
+    """
+    current = runtime.getDevice()
+    if current != index:
+        runtime.setDevice(index)
+    try:
+        event = cupy.cuda.Event(disable_timing=True)
+        event.record(stream)
+    finally:
+        if current != index:
+            runtime.setDevice(current)
+    return event
+
+
+async def wait_event(event: Any) -> None:
+    """Return once ``event`` has completed, without blocking the event loop.
+
+    Raises the CUDA error (``CUDARuntimeError``) if the device reports one.
+    """
+    pause = 0.0
+    while True:
+        status = runtime.eventQuery(event.ptr)
+        if status == 0:
+            return
+        if status != _NOT_READY:
+            runtime.check_status(status)  # raises CUDARuntimeError naming the error
+        await asyncio.sleep(pause)
+        pause = min(max(pause * 2, _FIRST_PAUSE), _LONGEST_PAUSE)
+
+
+class GpuBackend:
+    """GPU devices holding CuPy arrays; one non-blocking stream per replica."""
+
+    kind = "GPU"
+    xp = cupy
+    array_type = cupy.ndarray
+    needs_activation = True
+
+    def __init__(self) -> None:
+        self.count = int(runtime.getDeviceCount())
+        self._cross_streams: dict[int, Any] = {}
+
+    def check(self, device: Device) -> None:
+        if device.index >= self.count:
+            gpus = ", ".join(f"'GPU:{i}'" for i in range(self.count)) or "none"
+            raise DeviceError(
+                f"device {str(device)!r} does not exist: CuPy sees {self.count} GPU(s) "
+                f"({gpus}). Available here: those GPUs and CPU devices (e.g. 'cpu:0')."
+            )
+
+    def new_stream(self, device: Device) -> Any:
+        with cupy.cuda.Device(device.index):
+            return cupy.cuda.Stream(non_blocking=True)
+
+    # -- a replica's step ------------------------------------------------------------
+
+    def activate(self, device: Device, stream: Any) -> tuple:
+        """Make ``device`` and ``stream`` current; the token restores what was."""
+        index = device.index
+        previous_device = runtime.getDevice()
+        if previous_device != index:
+            runtime.setDevice(index)
+        previous_stream = cupy.cuda.get_current_stream(index)
+        stream.use()
+        return previous_device, index, previous_stream
+
+    def deactivate(self, token: tuple) -> None:
+        previous_device, index, previous_stream = token
+        # Stream.use() needs its own device current; the step may have left
+        # another one current (against the documented rule), so set it again.
+        if runtime.getDevice() != index:
+            runtime.setDevice(index)
+        previous_stream.use()
+        if previous_device != index:
+            runtime.setDevice(previous_device)
+
+    # -- cross-replica work ----------------------------------------------------------
+
+    def cross_stream(self, index: int) -> Any:
+        """The stream cross-replica work uses on device ``index`` (one per device)."""
+        stream = self._cross_streams.get(index)
+        if stream is None:
+            with cupy.cuda.Device(index):
+                stream = self._cross_streams[index] = cupy.cuda.Stream(non_blocking=True)
+        return stream
+
+    def begin_cross_replica(self, slots: Sequence[Any], first: Device | None = None) -> tuple:
+        """Order every device's cross stream after the work queued on every replica
+        stream. Returns the devices' indices (``first``, the device that will do
+        the work, leads)."""
+        indices = dict.fromkeys(
+            ([first.index] if first is not None and first.kind == "GPU" else [])
+            + [slot.device.index for slot in slots]
+        )
+        events = [_event_on(slot.stream, slot.device.index) for slot in slots]
+        for index in indices:
+            stream = self.cross_stream(index)
+            for event in events:
+                stream.wait_event(event)
+        return tuple(indices)
+
+    def enter_cross_replica(self, indices: tuple) -> tuple:
+        """Make each device's cross stream current, and ``indices[0]`` the current
+        device; the token restores what was current."""
+        previous_device = runtime.getDevice()
+        saved = []
+        for index in indices:
+            runtime.setDevice(index)
+            saved.append((index, cupy.cuda.get_current_stream(index)))
+            self.cross_stream(index).use()
+        runtime.setDevice(indices[0])
+        return previous_device, saved
+
+    def leave_cross_replica(self, token: tuple) -> None:
+        previous_device, saved = token
+        for index, stream in saved:
+            runtime.setDevice(index)
+            stream.use()
+        runtime.setDevice(previous_device)
+
+    def end_cross_replica(self, indices: tuple, slots: Sequence[Any]) -> None:
+        """Order every replica stream's later work after the cross-replica work
+        issued on the cross streams."""
+        events = [_event_on(self.cross_stream(index), index) for index in indices]
+        for slot in slots:
+            for event in events:
+                slot.stream.wait_event(event)
+
+    # -- placing arrays ----------------------------------------------------------------
+
+    def asarray(self, value: object, device: Device) -> Any:
+        """``value`` on ``device``: itself when already there, else a copy issued on
+        the destination's current stream, ordered after the source's."""
+        index = device.index
+        if isinstance(value, cupy.ndarray):
+            source = value.device.id
+            if source == index:
+                return value
+            return self._copy_between(value, source, index)
+        with cupy.cuda.Device(index):
+            return cupy.asarray(value)
+
+    def _copy_between(self, array: Any, source: int, target: int) -> Any:
+        # The copy waits for the work queued on the source device's current
+        # stream (which produced `array`), and that stream waits for the copy
+        # before it may reuse `array`'s memory.
+        source_stream = cupy.cuda.get_current_stream(source)
+        produced = _event_on(source_stream, source)
+        with cupy.cuda.Device(target):
+            target_stream = cupy.cuda.get_current_stream(target)
+            target_stream.wait_event(produced)
+            copy = array.copy()
+        source_stream.wait_event(_event_on(target_stream, target))
+        return copy
+
+    def to_host(self, value: object) -> np.ndarray:
+        """A blocking copy to the host (for the synchronous APIs that promise one)."""
+        return value.get() if isinstance(value, cupy.ndarray) else np.asarray(value)
+
+    async def to_host_async(self, arrays: Sequence[Any]) -> list[np.ndarray]:
+        """``arrays`` copied to pinned host memory, each on its device's current
+        stream; the loop keeps running while the copies are in flight."""
+        copies, events = [], []
+        previous = runtime.getDevice()
+        try:
+            for array in arrays:
+                index = array.device.id
+                runtime.setDevice(index)
+                stream = cupy.cuda.get_current_stream(index)
+                array = cupy.ascontiguousarray(array)
+                copy = cupyx.empty_pinned(array.shape, array.dtype)
+                array.get(stream=stream, out=copy, blocking=False)
+                copies.append(copy)
+                events.append(_event_on(stream, index))
+        finally:
+            runtime.setDevice(previous)
+        for event in events:
+            await wait_event(event)
+        return copies
+
+    async def streams_ready(self, indices: Any) -> None:
+        """Wait for the work queued so far on the current stream of each device in
+        ``indices`` (the current device when empty)."""
+        events = [
+            _event_on(cupy.cuda.get_current_stream(index), index)
+            for index in (indices or (runtime.getDevice(),))
+        ]
+        for event in events:
+            await wait_event(event)
+
+    def order_after_replicas(self, slots: Sequence[Any]) -> None:
+        """Make the current stream of every replica device wait for the work queued
+        so far on every replica stream (cross-replica code outside a collective)."""
+        events = [_event_on(slot.stream, slot.device.index) for slot in slots]
+        for index in dict.fromkeys(slot.device.index for slot in slots):
+            stream = cupy.cuda.get_current_stream(index)
+            for event in events:
+                stream.wait_event(event)
+
+    def order_replicas_after(self, slots: Sequence[Any]) -> None:
+        """Make every replica stream's later work wait for the work queued so far on
+        the current streams of the replica devices."""
+        events = [
+            _event_on(cupy.cuda.get_current_stream(index), index)
+            for index in dict.fromkeys(slot.device.index for slot in slots)
+        ]
+        for slot in slots:
+            for event in events:
+                slot.stream.wait_event(event)
+
+    def shared_view(self, array: Any) -> Any:
+        """A new array object over ``array``'s memory (CuPy has no read-only flag)."""
+        return array.view()
+
+
+# -- NCCL ------------------------------------------------------------------------------
+
+
+def nccl_version() -> int | None:
+    """NCCL's version as an int (2.30.3 → 23003), or None when NCCL cannot be loaded."""
+    try:
+        from cupy.cuda import nccl
+    except ImportError:
+        return None
+    if not nccl.available:
+        return None
+    return int(nccl.get_version())
+
+
+def _nccl() -> Any:
+    from cupy.cuda import nccl
+
+    return nccl
+
+
+_communicators: dict[tuple[int, ...], list] = {}
+
+
+def communicators(indices: tuple[int, ...]) -> list:
+    """One NCCL communicator per rank over devices ``indices``, created once
+    (``NcclCommunicator.initAll``) and reused for every later call."""
+    comms = _communicators.get(indices)
+    if comms is None:
+        comms = _communicators[indices] = _nccl().NcclCommunicator.initAll(list(indices))
+    return comms
+
+
+def check_nccl_devices(devices: Sequence[Device]) -> None:
+    """Raise ``InvalidArgumentError`` when NCCL cannot serve ``devices`` (GPUs)."""
+    names = [str(d) for d in devices]
+    version = nccl_version()
+    if version is None:
+        raise InvalidArgumentError(
+            "NcclAllReduce: NCCL cannot be loaded here; install it (pip install "
+            "'nvidia-nccl-cu12' or 'nvidia-nccl-cu13', matching CuPy) or use "
+            "ReductionToOneDevice."
+        )
+    if len(set(devices)) != len(devices) and not multi_rank_per_gpu(version):
+        raise InvalidArgumentError(
+            f"NcclAllReduce: devices {names} list a GPU more than once, and NCCL "
+            "serves one rank per GPU; use ReductionToOneDevice for several replicas "
+            "on one GPU (or, with NCCL >= 2.30, set NCCL_MULTI_RANK_GPU_ENABLE=1)."
+        )
+
+
+def multi_rank_per_gpu(version: int | None) -> bool:
+    """Whether NCCL may put several ranks on one GPU (NCCL >= 2.30, opted in)."""
+    return (
+        version is not None
+        and version >= 23000
+        and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"
+    )
+
+
+# NumPy dtype → NCCL datatype, and the dtype a value travels as when NCCL has no
+# type of its own for it (bool as uint8: MIN/MAX of 0/1 are AND/OR; 16-bit
+# integers widened and narrowed back, which wraps the same way; complex as
+# pairs of floats, exact for SUM and MEAN).
+_NCCL_NAMES = {
+    "int8": "NCCL_INT8",
+    "uint8": "NCCL_UINT8",
+    "int32": "NCCL_INT32",
+    "uint32": "NCCL_UINT32",
+    "int64": "NCCL_INT64",
+    "uint64": "NCCL_UINT64",
+    "float16": "NCCL_FLOAT16",
+    "float32": "NCCL_FLOAT32",
+    "float64": "NCCL_FLOAT64",
+}
+_WIDENED = {"bool": "uint8", "int16": "int32", "uint16": "uint32"}
+_COMPLEX_AS = {"complex64": "float32", "complex128": "float64"}
+_NCCL_OPS = {
+    ReduceOp.SUM: "NCCL_SUM",
+    ReduceOp.MEAN: "NCCL_SUM",  # then divided by the replica count on each stream
+    ReduceOp.MIN: "NCCL_MIN",
+    ReduceOp.MAX: "NCCL_MAX",
+    ReduceOp.PRODUCT: "NCCL_PROD",
+}
+
+
+def travel_dtype(op: ReduceOp, dtype: np.dtype) -> np.dtype:
+    """The dtype a leaf of ``dtype`` is all-reduced as by NCCL."""
+    name = dtype.name
+    if name in _NCCL_NAMES:
+        return dtype
+    if name in _WIDENED:
+        return np.dtype(_WIDENED[name])
+    if name in _COMPLEX_AS:
+        if op in (ReduceOp.SUM, ReduceOp.MEAN):
+            return np.dtype(_COMPLEX_AS[name])
+        raise InvalidArgumentError(
+            f"NcclAllReduce cannot {op.name} complex values ({name}): NCCL has no "
+            "complex type; use SUM or MEAN, or ReductionToOneDevice."
+        )
+    raise InvalidArgumentError(
+        f"NcclAllReduce cannot reduce values of dtype {name}; expected one of "
+        f"{', '.join(sorted({*_NCCL_NAMES, *_WIDENED, *_COMPLEX_AS}))}, or use "
+        "ReductionToOneDevice."
+    )
+
+
+def _as_travel(leaf: Any, travel: np.dtype) -> Any:
+    """``leaf`` flattened, as ``travel`` values (a view when only reinterpreted)."""
+    flat = cupy.ascontiguousarray(leaf).reshape(-1)
+    if flat.dtype == travel:
+        return flat
+    if flat.dtype.kind == "c":
+        return flat.view(travel)  # (re, im) pairs
+    return flat.astype(travel)
+
+
+def _pack_spans(sizes: Sequence[int], num_packs: int, bytes_per_pack: int, itemsize: int) -> list:
+    """``(start, stop)`` element ranges cutting a buffer of ``sum(sizes)`` elements
+    into packs: ``bytes_per_pack`` bytes each when set, else ``num_packs`` equal
+    parts (at least one element each)."""
+    total = sum(sizes)
+    if total == 0:
+        return []
+    if bytes_per_pack > 0:
+        per = max(1, bytes_per_pack // itemsize)
+    else:
+        per = -(-total // max(1, num_packs))
+    return [(lo, min(lo + per, total)) for lo in range(0, total, per)]
+
+
+def all_reduce(
+    op: ReduceOp,
+    per_replica: Sequence[Sequence[Any]],
+    devices: Sequence[Device],
+    streams: Sequence[Any],
+    num_packs: int,
+    bytes_per_pack: int,
+    backend: GpuBackend,
+) -> list[list]:
+    """All-reduce lists of leaves with NCCL, each rank on its replica's stream.
+
+    Leaves are grouped by the dtype they travel as; each group is packed into
+    one buffer per replica (no copy for a single contiguous leaf), cut into
+    packs, and each pack is one ``groupStart()/groupEnd()`` call over every
+    rank. Results are views into each replica's reduced buffer.
+    """
+    nccl = _nccl()
+    n = len(per_replica)
+    comms = communicators(tuple(d.index for d in devices))
+    first = per_replica[0]
+    groups: dict[np.dtype, list[int]] = {}
+    for index, leaf in enumerate(first):
+        groups.setdefault(travel_dtype(op, leaf.dtype), []).append(index)
+    out: list[list] = [[None] * len(first) for _ in range(n)]
+    nccl_op = getattr(nccl, _NCCL_OPS[op])
+    for travel, members in groups.items():
+        datatype = getattr(nccl, _NCCL_NAMES[travel.name])
+        sends, buffers = [], []
+        for rank in range(n):
+            token = backend.activate(devices[rank], streams[rank])
+            try:
+                flats = [_as_travel(per_replica[rank][i], travel) for i in members]
+                if len(flats) > 1:  # packed into a fresh buffer, reduced in place
+                    send = buffer = cupy.concatenate(flats)
+                else:  # a lone leaf may be the caller's own memory: reduce into a new one
+                    send, buffer = flats[0], cupy.empty_like(flats[0])
+                sends.append(send)
+                buffers.append(buffer)
+            finally:
+                backend.deactivate(token)
+        sizes = [_travel_size(first[i], travel) for i in members]
+        step = travel.itemsize
+        for lo, hi in _pack_spans(sizes, num_packs, bytes_per_pack, step):
+            nccl.groupStart()
+            try:
+                for rank in range(n):
+                    comms[rank].allReduce(
+                        sends[rank].data.ptr + lo * step,
+                        buffers[rank].data.ptr + lo * step,
+                        hi - lo,
+                        datatype,
+                        nccl_op,
+                        streams[rank].ptr,
+                    )
+            finally:
+                nccl.groupEnd()
+        for rank in range(n):
+            token = backend.activate(devices[rank], streams[rank])
+            try:
+                leaves = [first[i] for i in members]
+                _unpack(op, n, buffers[rank], leaves, travel, members, out[rank])
+            finally:
+                backend.deactivate(token)
+    return out
+
+
+def _travel_size(leaf: Any, travel: np.dtype) -> int:
+    return leaf.size * (2 if leaf.dtype.kind == "c" else 1)
+
+
+def _unpack(
+    op: ReduceOp,
+    n: int,
+    buffer: Any,
+    leaves: Sequence[Any],
+    travel: np.dtype,
+    members: Sequence[int],
+    out: list,
+) -> None:
+    """Split a reduced buffer back into leaves of the original shapes and dtypes."""
+    if op is ReduceOp.MEAN and travel.kind in "fc":
+        buffer /= n
+    offset = 0
+    for index, leaf in zip(members, leaves, strict=True):
+        size = _travel_size(leaf, travel)
+        piece = buffer[offset : offset + size]
+        offset += size
+        if leaf.dtype.kind == "c":
+            piece = piece.view(leaf.dtype)
+        elif piece.dtype != leaf.dtype:
+            piece = piece.astype(leaf.dtype)
+        piece = piece.reshape(leaf.shape)
+        if op is ReduceOp.MEAN and travel.kind not in "fc":
+            piece = cupy.true_divide(piece, n)  # integers: a float mean, as on CPU
+        out[index] = piece
+
+
+def all_gather(
+    per_replica: Sequence[Sequence[Any]],
+    axis: int,
+    devices: Sequence[Device],
+    streams: Sequence[Any],
+    backend: GpuBackend,
+) -> list[list]:
+    """Concatenate each leaf across replicas along ``axis`` with NCCL ``allGather``.
+
+    Every dtype travels as bytes. Leaves whose lengths along ``axis`` differ are
+    padded to the longest first, and the padding is cut away after.
+    """
+    nccl = _nccl()
+    n = len(per_replica)
+    comms = communicators(tuple(d.index for d in devices))
+    out: list[list] = [[] for _ in range(n)]
+    for index in range(len(per_replica[0])):
+        leaves = [per_replica[rank][index] for rank in range(n)]
+        lengths = [leaf.shape[axis] for leaf in leaves]
+        longest = max(lengths)
+        shape = list(leaves[0].shape)
+        shape[axis] = longest
+        sends, receives = [], []
+        for rank in range(n):
+            token = backend.activate(devices[rank], streams[rank])
+            try:
+                leaf = leaves[rank]
+                if lengths[rank] != longest:
+                    padded = cupy.zeros(shape, leaf.dtype)
+                    where = [slice(None)] * leaf.ndim
+                    where[axis] = slice(0, lengths[rank])
+                    padded[tuple(where)] = leaf
+                    leaf = padded
+                sends.append(cupy.ascontiguousarray(leaf))
+                receives.append(cupy.empty((n, *shape), leaf.dtype))
+            finally:
+                backend.deactivate(token)
+        nbytes = sends[0].nbytes
+        if nbytes == 0:  # nothing to move: every replica already holds the (empty) result
+            for rank in range(n):
+                out[rank].append(_gathered(receives[rank], lengths, axis, shape))
+            continue
+        nccl.groupStart()
+        try:
+            for rank in range(n):
+                comms[rank].allGather(
+                    sends[rank].data.ptr,
+                    receives[rank].data.ptr,
+                    nbytes,
+                    nccl.NCCL_UINT8,
+                    streams[rank].ptr,
+                )
+        finally:
+            nccl.groupEnd()
+        for rank in range(n):
+            token = backend.activate(devices[rank], streams[rank])
+            try:
+                out[rank].append(_gathered(receives[rank], lengths, axis, shape))
+            finally:
+                backend.deactivate(token)
+    return out
+
+
+def _gathered(stacked: Any, lengths: Sequence[int], axis: int, shape: Sequence[int]) -> Any:
+    """The concatenation along ``axis`` of the ``n`` padded parts in ``stacked``."""
+    n = len(lengths)
+    if axis == 0 and len(set(lengths)) == 1:  # allGather's layout already is the result
+        return stacked.reshape((n * shape[0], *shape[1:]))
+    parts = []
+    for source in range(n):
+        where = [slice(None)] * len(shape)
+        where[axis] = slice(0, lengths[source])
+        parts.append(stacked[source][tuple(where)])
+    return cupy.concatenate(parts, axis=axis)
+
+
+def broadcast(array: Any, devices: Sequence[Device], backend: GpuBackend) -> list:
+    """``array`` (on ``devices[0]``) copied to every device of ``devices`` with one
+    NCCL broadcast, each rank on its device's current stream."""
+    nccl = _nccl()
+    comms = communicators(tuple(d.index for d in devices))
+    array = cupy.ascontiguousarray(array)
+    buffers = [array.copy()]
+    for device in devices[1:]:
+        with cupy.cuda.Device(device.index):
+            buffers.append(cupy.empty(array.shape, array.dtype))
+    nccl.groupStart()
+    try:
+        for rank, (comm, buffer) in enumerate(zip(comms, buffers, strict=True)):
+            stream = cupy.cuda.get_current_stream(devices[rank].index)
+            comm.bcast(buffer.data.ptr, buffer.nbytes, nccl.NCCL_UINT8, 0, stream.ptr)
+    finally:
+        nccl.groupEnd()
+    return buffers
