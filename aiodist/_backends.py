@@ -148,8 +148,8 @@ def _gpu_backend(device: Device) -> Any:
     except Exception as exc:
         raise DeviceError(
             f"device {str(device)!r} is a GPU, but CUDA is not usable here ({exc}); "
-            "check the NVIDIA driver and that CuPy matches its CUDA version. "
-            "Available here: CPU devices (e.g. 'cpu:0', 'cpu:1')."
+            "check the NVIDIA driver (nvidia-smi) and that CuPy matches its CUDA "
+            f"version: {_CUPY_REMEDY}. Available here: CPU devices (e.g. 'cpu:0', 'cpu:1')."
         ) from exc
     if count == 0:
         raise DeviceError(

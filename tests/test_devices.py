@@ -7,6 +7,7 @@ import importlib.util
 import pytest
 
 import aiodist
+import aiodist._backends
 
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
 
@@ -132,3 +133,47 @@ def test_communication_options_validation_and_merge():
     assert aiodist.CommunicationOptions(implementation="nccl").implementation is (
         aiodist.CommunicationImplementation.NCCL
     )
+
+
+def _cupy_without_a_gpu() -> bool:
+    return HAS_CUPY and aiodist._backends.visible_gpu_count() == 0
+
+
+@pytest.mark.skipif(
+    not _cupy_without_a_gpu(),
+    reason="checks the message given when CuPy is installed but no GPU/driver is usable "
+    "(tox -e nodriver installs CuPy on a machine without a GPU)",
+)
+def test_gpu_with_cupy_but_no_usable_driver_says_what_is_missing():
+    with pytest.raises(aiodist.DeviceError) as info:
+        aiodist.MirroredStrategy(["GPU:0"])
+    message = str(info.value)
+    assert "'/device:GPU:0' is a GPU" in message
+    assert "CUDA is not usable here" in message or "CuPy sees no GPU" in message
+    assert "driver" in message and "CPU devices" in message
+    # ... and with no devices named, the strategy falls back to the host.
+    assert aiodist.MirroredStrategy().extended.worker_devices == ("/device:CPU:0",)
+    assert aiodist._backends.loaded_gpu_backend() is None
+
+
+def test_nccl_all_reduce_refuses_cpu_devices_before_touching_cupy():
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"NcclAllReduce needs GPU devices"):
+        aiodist.MirroredStrategy(["cpu:0", "cpu:1"], cross_device_ops=aiodist.NcclAllReduce())
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "2", True])
+def test_nccl_num_packs_is_checked(bad):
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"num_packs=.*expected an int >= 0"):
+        aiodist.NcclAllReduce(num_packs=bad)
+    assert repr(aiodist.NcclAllReduce(num_packs=3)) == "NcclAllReduce(num_packs=3)"
+
+
+def test_reduction_device_of_another_kind_is_refused():
+    ops = aiodist.ReductionToOneDevice(reduce_to_device="GPU:0")
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"reduce_to_device='/device:GPU:0'"):
+        aiodist.MirroredStrategy(["cpu:0", "cpu:1"], cross_device_ops=ops)
+
+
+def test_default_cross_device_ops_on_cpu_is_reduction_to_one_device():
+    strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:1"])
+    assert type(strategy.extended._cross_device_ops) is aiodist.ReductionToOneDevice

@@ -57,6 +57,15 @@ def test_import_never_imports_cupy():
     assert out.split() == ["False", "False"]
 
 
+def test_cpu_work_with_the_gpu_api_never_imports_cupy():
+    out = _python(
+        "import sys, asyncio, aiodist; s = aiodist.MirroredStrategy(['cpu:0', 'cpu:1']);"
+        "ops = aiodist.NcclAllReduce(num_packs=2); asyncio.run(aiodist.ready());"
+        "print('cupy' in sys.modules)"
+    )
+    assert out.split() == ["False"]
+
+
 def test_aiodist_run_uses_uvloop_when_installed():
     uvloop = pytest.importorskip("uvloop")
 

@@ -142,3 +142,50 @@ async def test_scheduler_runs_each_replica_on_its_stream_and_brackets_collective
     assert backend.current == "default"
     # 3 all_reduces and one merge_call, each bracketed once.
     assert [kind for kind, _ in backend.cross_replica] == ["begin", "end"] * 4
+
+
+async def test_async_merge_fn_steps_on_the_cross_streams_and_only_there():
+    backend = TrackingBackend()
+    strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:1"])
+    slots = [
+        ReplicaSlot(i, Device("CPU", i), backend, backend.new_stream(Device("CPU", i)))
+        for i in range(2)
+    ]
+    in_merge, bystander, after = [], [], []
+    stop = asyncio.Event()
+
+    async def merge_fn(strategy):
+        for _ in range(3):
+            in_merge.append(backend.current)
+            await asyncio.sleep(0)
+        in_merge.append(backend.current)
+        return "merged"
+
+    async def fn():
+        result = await aiodist.get_replica_context().merge_call(merge_fn)
+        after.append(backend.current)
+        return result
+
+    async def watch():
+        while not stop.is_set():
+            bystander.append(backend.current)
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        assert await RunGroup(strategy, slots).run(fn, (), {}) == "merged"
+    finally:
+        stop.set()
+        await watcher
+    assert in_merge == ["cross"] * 4
+    assert set(bystander) == {"default"}
+    assert sorted(after) == ["stream-0", "stream-1"]
+    assert backend.current == "default"
+    # Ordered once: begun when the last replica arrived, ended when merge_fn finished.
+    assert [kind for kind, _ in backend.cross_replica] == ["begin", "end"]
+
+
+async def test_ready_returns_its_value_at_once_without_gpus():
+    value = {"x": np.ones(2)}
+    assert await aiodist.ready(value) is value
+    assert await aiodist.ready() is None

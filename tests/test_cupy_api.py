@@ -1,0 +1,59 @@
+"""The CuPy and NCCL names the GPU backend calls exist in the installed CuPy.
+
+The GPU backend only runs where a GPU is; this check runs wherever CuPy is
+installed (no GPU or driver needed: nothing here calls the driver), so a
+renamed or misspelt CuPy API is caught on any machine. Skipped without CuPy
+(``tox -e nodriver`` installs it).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed (tox -e nodriver installs it)")
+
+
+def test_runtime_stream_and_event_apis_exist():
+    import cupyx
+    from cupy.cuda import runtime
+
+    import aiodist._cuda as cuda
+
+    for name in ("getDevice", "setDevice", "getDeviceCount", "eventQuery", "check_status"):
+        assert callable(getattr(runtime, name)), name
+    for name in ("use", "wait_event", "record", "is_non_blocking"):
+        assert hasattr(cupy.cuda.Stream, name), name
+    assert "non_blocking" in (cupy.cuda.Stream.__doc__ or "")
+    assert "disable_timing" in inspect.signature(cupy.cuda.Event).parameters
+    assert "device_id" in (cupy.cuda.get_current_stream.__doc__ or "")
+    assert "blocking" in (cupy.ndarray.get.__doc__ or "")
+    assert callable(cupyx.empty_pinned)
+    assert cuda.GpuBackend.array_type is cupy.ndarray
+
+
+def test_nccl_apis_exist():
+    from cupy.cuda import nccl
+
+    import aiodist._cuda as cuda
+
+    if not nccl.available:
+        pytest.skip("NCCL's library is not installed (pip install nvidia-nccl-cu12)")
+    for name in (*cuda._NCCL_NAMES.values(), *cuda._NCCL_OPS.values(), "NCCL_UINT8"):
+        assert isinstance(getattr(nccl, name), int), name
+    communicator = nccl.NcclCommunicator
+    for name in ("initAll", "allReduce", "allGather", "bcast"):
+        assert hasattr(communicator, name), name
+    assert (
+        "(self, intptr_t sendbuf, intptr_t recvbuf, size_t count, int datatype, int op, "
+        "intptr_t stream)" in communicator.allReduce.__doc__
+    )
+    assert "intptr_t recvbuf, size_t count, int datatype, intptr_t stream)" in (
+        communicator.allGather.__doc__
+    )
+    assert "(self, intptr_t buff, size_t count, int datatype, int root, intptr_t stream)" in (
+        communicator.bcast.__doc__
+    )
+    assert callable(nccl.groupStart) and callable(nccl.groupEnd)
+    assert cuda.nccl_version() == nccl.get_version()

@@ -1,0 +1,441 @@
+"""GPU replicas: streams, event ordering, collectives (ReductionToOneDevice and NCCL).
+
+Every test here is marked ``gpu`` and is skipped, with the reason, where CuPy or
+a GPU is missing; run them on a GPU machine with ``python -m pytest -m gpu``.
+Several replicas share one GPU (one stream each); NCCL tests use one rank per
+GPU (a single GPU gives a one-rank communicator, which still goes through
+every NCCL call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import aiodist
+from aiodist._backends import visible_gpu_count
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        visible_gpu_count() == 0,
+        reason="needs CuPy and a CUDA GPU (pip install 'aiodist[cuda12]' or 'aiodist[cuda13]')",
+    ),
+]
+
+if visible_gpu_count():
+    import cupy
+else:  # collected but skipped: keep the module importable
+    cupy = None
+
+# Busy-waits `cycles` GPU clock cycles, then writes `value` to x[0]: a slow kernel
+# whose result is wrong if anything reads x before it has finished.
+_SLOW_SET = r"""
+extern "C" __global__ void slow_set(float* x, float value, long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    x[0] = value;
+}
+"""
+
+
+def _slow_set(x, value: float, cycles: int) -> None:
+    kernel = cupy.RawKernel(_SLOW_SET, "slow_set")
+    kernel((1,), (1,), (x, np.float32(value), np.int64(cycles)))
+
+
+def _cycles(seconds: float) -> int:
+    rate_khz = cupy.cuda.runtime.getDeviceProperties(0)["clockRate"]
+    return int(seconds * rate_khz * 1000)
+
+
+def _shared(n: int) -> aiodist.MirroredStrategy:
+    """``n`` replicas on GPU:0 (ReductionToOneDevice, one stream each)."""
+    return aiodist.MirroredStrategy(["GPU:0"] * n)
+
+
+def _nccl_devices() -> list[str]:
+    return [f"GPU:{i}" for i in range(visible_gpu_count())]
+
+
+# -- streams ---------------------------------------------------------------------------
+
+
+async def test_each_replica_runs_on_its_own_stream_across_awaits():
+    strategy = _shared(4)
+    seen: dict[int, set] = {i: set() for i in range(4)}
+    outside = cupy.cuda.get_current_stream().ptr
+
+    async def fn():
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        for _ in range(5):
+            seen[rid].add(cupy.cuda.get_current_stream().ptr)
+            await asyncio.sleep(0)
+            seen[rid].add(cupy.cuda.get_current_stream().ptr)
+        return rid
+
+    await strategy.run(fn)
+    streams = [stream for ptrs in seen.values() for stream in ptrs]
+    assert all(len(ptrs) == 1 for ptrs in seen.values()), seen
+    assert len(set(streams)) == 4  # four distinct streams
+    assert outside not in streams and 0 not in streams  # never the null stream
+    assert all(slot.stream.is_non_blocking for slot in strategy._slots)
+    assert cupy.cuda.get_current_stream().ptr == outside
+
+
+async def test_other_tasks_never_run_on_a_replica_stream():
+    strategy = _shared(2)
+    outside = cupy.cuda.get_current_stream().ptr
+    bystander_saw: set = set()
+    stop = asyncio.Event()
+
+    async def bystander():
+        while not stop.is_set():
+            bystander_saw.add(cupy.cuda.get_current_stream().ptr)
+            await asyncio.sleep(0)
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        for _ in range(10):
+            await asyncio.sleep(0)
+            await ctx.all_reduce("sum", cupy.ones(3))
+        return cupy.cuda.get_current_stream().ptr
+
+    watcher = asyncio.create_task(bystander())
+    await asyncio.sleep(0)
+    try:
+        result = await strategy.run(fn)
+    finally:
+        stop.set()
+        await watcher
+    assert bystander_saw == {outside}
+    assert outside not in strategy.experimental_local_results(result)
+
+
+# -- collectives on one shared GPU -----------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["sum", "mean", "min", "max", "product"])
+async def test_all_reduce_with_four_replicas_on_one_gpu(op):
+    strategy = _shared(4)
+    values = [np.arange(6, dtype=np.float32).reshape(2, 3) + i for i in range(4)]
+
+    async def fn():
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        x = cupy.asarray(values[rid])
+        return await aiodist.get_replica_context().all_reduce(op, x)
+
+    result = await strategy.run(fn)
+    expected = {
+        "sum": np.sum(values, axis=0),
+        "mean": np.mean(values, axis=0),
+        "min": np.min(values, axis=0),
+        "max": np.max(values, axis=0),
+        "product": np.prod(values, axis=0),
+    }[op]
+    for component in strategy.experimental_local_results(result):
+        assert isinstance(component, cupy.ndarray)
+        np.testing.assert_allclose(component.get(), expected, rtol=1e-6)
+
+
+async def test_all_gather_and_merge_call_on_one_gpu():
+    strategy = _shared(4)
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        rid = ctx.replica_id_in_sync_group
+        x = cupy.full((rid + 1, 2), rid, dtype=cupy.int32)  # uneven along axis 0
+        gathered = await ctx.all_gather(x, axis=0)
+
+        async def merge_fn(strategy, value):
+            return await strategy.reduce("sum", value, axis=None)
+
+        merged = await ctx.merge_call(merge_fn, args=(cupy.asarray(float(rid)),))
+        return gathered, merged
+
+    gathered, merged = await strategy.run(fn)
+    expected = np.concatenate([np.full((i + 1, 2), i, np.int32) for i in range(4)])
+    for component in strategy.experimental_local_results(gathered):
+        np.testing.assert_array_equal(component.get(), expected)
+    assert float(merged) == 6.0
+
+
+async def test_reduce_and_gather_come_back_as_host_arrays():
+    strategy = _shared(2)
+
+    async def fn():
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        return cupy.arange(3, dtype=cupy.float64) * (rid + 1)
+
+    values = await strategy.run(fn)
+    with strategy.scope():
+        total = await strategy.reduce("sum", values, axis=None)
+        gathered = await strategy.gather(values, axis=0)
+    assert isinstance(total, np.ndarray) and isinstance(gathered, np.ndarray)
+    np.testing.assert_array_equal(total, [0.0, 3.0, 6.0])
+    np.testing.assert_array_equal(gathered, [0, 1, 2, 0, 2, 4])
+
+
+async def test_a_slow_kernel_before_an_all_reduce_still_gives_the_right_result():
+    """Replica 0's input is written by a ~200 ms kernel on its stream; without
+    event ordering the reduction would read the zeros that were there before."""
+    for strategy in (_shared(2), aiodist.MirroredStrategy(_nccl_devices())):
+        n = strategy.num_replicas_in_sync
+
+        async def fn():
+            rid = aiodist.get_replica_context().replica_id_in_sync_group
+            x = cupy.zeros(1, dtype=cupy.float32)
+            if rid == 0:
+                _slow_set(x, 5.0, _cycles(0.2))
+            else:
+                x += 1.0
+            return await aiodist.get_replica_context().all_reduce("sum", x)
+
+        result = await strategy.run(fn)
+        for component in strategy.experimental_local_results(result):
+            assert float(component.get()[0]) == 5.0 + (n - 1)
+
+
+async def test_the_loop_stays_responsive_while_the_gpu_is_busy():
+    """A ~0.5 s kernel, then a device-to-host reduce: the loop's lag stays small."""
+    strategy = _shared(2)
+    lags: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker():
+        while not stop.is_set():
+            start = time.perf_counter()
+            await asyncio.sleep(0.005)
+            lags.append(time.perf_counter() - start - 0.005)
+
+    async def fn():
+        x = cupy.zeros(1, dtype=cupy.float32)
+        _slow_set(x, 1.0, _cycles(0.5))
+        return x
+
+    watcher = asyncio.create_task(ticker())
+    started = time.perf_counter()
+    values = await strategy.run(fn)
+    with strategy.scope():
+        total = await strategy.reduce("sum", values, axis=None)
+    elapsed = time.perf_counter() - started
+    stop.set()
+    await watcher
+    assert float(total[0]) == 2.0
+    assert elapsed >= 0.4  # the kernel really ran before the reduce returned
+    assert max(lags) < 0.05, f"event loop blocked for {max(lags) * 1e3:.1f} ms"
+    print(f"\nloop lag while the GPU was busy: max {max(lags) * 1e3:.2f} ms over {len(lags)}")
+
+
+async def test_ready_waits_for_the_replica_stream_without_blocking():
+    strategy = _shared(1)
+
+    async def fn():
+        x = cupy.zeros(1, dtype=cupy.float32)
+        _slow_set(x, 7.0, _cycles(0.2))
+        start = time.perf_counter()
+        await aiodist.ready()
+        waited = time.perf_counter() - start
+        stream = cupy.cuda.get_current_stream()
+        return bool(stream.done), waited, float(x.get()[0])
+
+    done, waited, value = await strategy.run(fn)
+    assert done and value == 7.0 and waited >= 0.1
+
+
+def test_a_device_error_is_raised_not_hung():
+    """An illegal address in a kernel surfaces from aiodist.ready() as an error.
+
+    Runs in a subprocess: the error poisons the CUDA context of its process."""
+    script = textwrap.dedent(
+        r"""
+        import aiodist, cupy
+        bad = cupy.RawKernel(
+            'extern "C" __global__ void bad(float* x) { x[1 << 30] = 1.0f; }', "bad")
+        async def main():
+            x = cupy.zeros(1, dtype=cupy.float32)
+            bad((1,), (1,), (x,))
+            await aiodist.ready(x)
+        try:
+            aiodist.run(main())
+        except Exception as exc:
+            print("RAISED", type(exc).__name__, exc)
+        else:
+            print("NO ERROR")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert "RAISED CUDARuntimeError" in done.stdout, done.stdout + done.stderr
+    assert "cudaErrorIllegalAddress" in done.stdout
+
+
+# -- packing ---------------------------------------------------------------------------
+
+_MIXED = [
+    ("float32", (3,)),
+    ("float64", (2, 2)),
+    ("int32", (5,)),
+    ("int64", ()),
+    ("int16", (4,)),
+    ("float16", (3,)),
+    ("complex64", (2,)),
+] * 6  # 42 leaves of 7 dtypes, interleaved
+
+
+def _leaves(rid: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(rid)
+    out = []
+    for dtype, shape in _MIXED:
+        if dtype.startswith("complex"):
+            value = rng.integers(-5, 5, shape) + 1j * rng.integers(-5, 5, shape)
+        else:
+            value = rng.integers(-5, 5, shape)
+        out.append(np.asarray(value, dtype=dtype))
+    return out
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: (_shared(3), None),
+        lambda: (aiodist.MirroredStrategy(_nccl_devices()), None),
+        lambda: (
+            aiodist.MirroredStrategy(_nccl_devices(), aiodist.NcclAllReduce(num_packs=3)),
+            None,
+        ),
+        lambda: (
+            aiodist.MirroredStrategy(_nccl_devices(), aiodist.NcclAllReduce()),
+            aiodist.CommunicationOptions(bytes_per_pack=64),
+        ),
+    ],
+    ids=["one-device", "nccl", "nccl-3-packs", "nccl-64-bytes"],
+)
+async def test_packing_many_small_leaves_of_mixed_dtypes(make):
+    strategy, options = make()
+    n = strategy.num_replicas_in_sync
+
+    async def fn():
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        leaves = [cupy.asarray(leaf) for leaf in _leaves(rid)]
+        return await aiodist.get_replica_context().all_reduce("sum", leaves, options=options)
+
+    result = await strategy.run(fn)
+    expected = [sum(parts) for parts in zip(*(_leaves(r) for r in range(n)), strict=True)]
+    for component in strategy.experimental_local_results(result):
+        assert len(component) == len(expected)
+        for got, want in zip(component, expected, strict=True):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            np.testing.assert_array_equal(got.get(), want)
+
+
+# -- NCCL --------------------------------------------------------------------------------
+
+
+async def test_nccl_is_the_default_for_distinct_gpus_only():
+    assert isinstance(_shared(2).extended._cross_device_ops, aiodist.ReductionToOneDevice)
+    many = aiodist.MirroredStrategy(_nccl_devices())
+    expected = aiodist.NcclAllReduce if len(_nccl_devices()) >= 2 else aiodist.ReductionToOneDevice
+    assert isinstance(many.extended._cross_device_ops, expected)
+    assert aiodist.MirroredStrategy().extended.worker_devices == tuple(
+        f"/device:GPU:{i}" for i in range(visible_gpu_count())
+    )
+
+
+@pytest.mark.parametrize("op", ["sum", "mean", "min", "max", "product"])
+async def test_nccl_all_reduce_and_all_gather(op):
+    strategy = aiodist.MirroredStrategy(_nccl_devices(), aiodist.NcclAllReduce())
+    n = strategy.num_replicas_in_sync
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        rid = ctx.replica_id_in_sync_group
+        x = cupy.arange(4, dtype=cupy.float32) + rid + 1
+        reduced = await ctx.all_reduce(op, x)
+        gathered = await ctx.all_gather(cupy.full((2, rid + 1), rid, cupy.int64), axis=1)
+        flags = await ctx.all_reduce("max", cupy.asarray([rid == 0, False]))
+        return reduced, gathered, flags
+
+    reduced, gathered, flags = await strategy.run(fn)
+    values = [np.arange(4, dtype=np.float32) + r + 1 for r in range(n)]
+    numpy_op = {"sum": np.sum, "mean": np.mean, "min": np.min, "max": np.max}.get(op, np.prod)
+    expected = numpy_op(values, axis=0)
+    want_gather = np.concatenate([np.full((2, r + 1), r, np.int64) for r in range(n)], axis=1)
+    local = strategy.experimental_local_results
+    for r, g, f in zip(local(reduced), local(gathered), local(flags), strict=True):
+        np.testing.assert_allclose(r.get(), expected, rtol=1e-6)
+        np.testing.assert_array_equal(g.get(), want_gather)
+        np.testing.assert_array_equal(f.get(), [True, False])
+
+
+async def test_nccl_broadcast_and_reduce_to_in_cross_replica_context():
+    strategy = aiodist.MirroredStrategy(_nccl_devices(), aiodist.NcclAllReduce())
+    with strategy.scope():
+        value = cupy.arange(3, dtype=cupy.float32)
+        mirrored = await strategy.extended.broadcast_to(value, strategy.extended.worker_devices)
+        for component in strategy.experimental_local_results(mirrored):
+            np.testing.assert_array_equal(component.get(), [0, 1, 2])
+        per_replica = strategy.experimental_distribute_values_from_function(
+            lambda ctx: cupy.full(2, ctx.replica_id_in_sync_group + 1.0)
+        )
+        reduced = await strategy.extended.reduce_to("sum", per_replica, "GPU:0")
+    n = strategy.num_replicas_in_sync
+    np.testing.assert_array_equal(reduced.get(), [n * (n + 1) / 2] * 2)
+
+
+def test_nccl_two_ranks_on_one_gpu_when_nccl_allows_it():
+    """NCCL >= 2.30 can put two ranks on one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1)."""
+    from aiodist._cuda import nccl_version
+
+    version = nccl_version()
+    if version is None or version < 23000:
+        pytest.skip(f"needs NCCL >= 2.30 (found {version})")
+    script = textwrap.dedent(
+        """
+        import aiodist, cupy
+        strategy = aiodist.MirroredStrategy(["GPU:0", "GPU:0"], aiodist.NcclAllReduce())
+        async def fn():
+            rid = aiodist.get_replica_context().replica_id_in_sync_group
+            return await aiodist.get_replica_context().all_reduce("sum", cupy.ones(4) * rid)
+        result = aiodist.run(strategy.run(fn))
+        print("RESULT", [float(c.get().sum()) for c in strategy.experimental_local_results(result)])
+        """
+    )
+    env = {**os.environ, "NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert "RESULT [4.0, 4.0]" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+# -- no hangs ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(20)
+async def test_a_rendezvous_timeout_fires_before_any_nccl_call():
+    strategy = aiodist.MirroredStrategy(
+        _nccl_devices() if len(_nccl_devices()) > 1 else ["GPU:0", "GPU:0"],
+        communication_options=aiodist.CommunicationOptions(timeout_seconds=0.3),
+    )
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        if ctx.replica_id_in_sync_group == 0:
+            await asyncio.sleep(5)
+        return await ctx.all_reduce("sum", cupy.ones(2))
+
+    with pytest.raises(aiodist.RendezvousTimeoutError, match=r"timed out after 0\.3 s"):
+        await strategy.run(fn)
+
+
+def test_mixing_cpu_and_gpu_devices_is_refused():
+    with pytest.raises(aiodist.DeviceError, match="mix CPU and GPU"):
+        aiodist.MirroredStrategy(["cpu:0", "GPU:0"])
