@@ -15,8 +15,15 @@ from pathlib import Path
 
 import pytest
 
+from aiodist._backends import visible_gpu_count
+
 ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.S | re.M)
+# Examples that import CuPy run where a GPU is (python -m pytest -m gpu).
+_GPU_ONLY = (
+    pytest.mark.gpu,
+    pytest.mark.skipif(visible_gpu_count() == 0, reason="the example needs CuPy and a GPU"),
+)
 
 
 def _examples():
@@ -31,7 +38,8 @@ def _examples():
                 continue
             following = blocks[i + 1] if i + 1 < len(blocks) else None
             expected = following[1] if following and following[0] == "text" else None
-            yield pytest.param(body, expected, id=f"{path.name}:{line}")
+            marks = _GPU_ONLY if "import cupy" in body else ()
+            yield pytest.param(body, expected, id=f"{path.name}:{line}", marks=marks)
 
 
 EXAMPLES = list(_examples())
