@@ -9,6 +9,7 @@ how many times faster aiodist is.
 
     python -m benchmarks --quick          # under a minute on 2 cores
     python -m benchmarks --json out.json  # full run, figures saved
+    python -m benchmarks --gpu            # GPU dispatch overhead and bandwidth (CuPy)
 """
 
 from __future__ import annotations
@@ -193,7 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tf-python", default=None, help="a Python with TensorFlow installed")
     parser.add_argument("--no-tf", action="store_true", help="skip the TensorFlow comparison")
     parser.add_argument("--no-serving", action="store_true", help="skip the serving benchmark")
+    parser.add_argument(
+        "--gpu", action="store_true", help="GPU replicas: dispatch overhead and bandwidth"
+    )
     args = parser.parse_args(argv)
+    if args.gpu:
+        return _gpu_main(args)
 
     replicas = [int(n) for n in args.replicas.split(",")]
     repeats = args.repeats or (3 if args.quick else 5)
@@ -241,6 +247,33 @@ def main(argv: list[str] | None = None) -> int:
     if report.get("serving"):
         print("\n" + serving.table(report["serving"]))
         print("4 CPU replicas, uvloop; one row per request; the load comes from another process.")
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"\nfigures written to {args.json}")
+    return 0
+
+
+def _gpu_main(args: argparse.Namespace) -> int:
+    from aiodist._backends import visible_gpu_count
+
+    if visible_gpu_count() == 0:
+        print(
+            "--gpu needs CuPy and a GPU (pip install '.[cuda12]' or '.[cuda13]')",
+            file=sys.stderr,
+        )
+        return 2
+    from benchmarks import gpu
+
+    replicas = [int(n) for n in args.replicas.split(",")]
+    repeats = args.repeats or 3
+    loops = _loops()
+    factory = loops.get("uvloop", asyncio.new_event_loop)
+    started = time.perf_counter()
+    report = gpu.measure(replicas, args.quick, repeats, factory)
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    seconds = report["seconds"]
+    print(f"aiodist GPU benchmarks, {platform.machine()}, {seconds} s, median of {repeats}\n")
+    print(gpu.table(report))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2))
         print(f"\nfigures written to {args.json}")
