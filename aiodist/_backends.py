@@ -15,7 +15,8 @@ surface:
   events on GPUs; nothing on the host, whose work is already done when issued),
   and ``enter_cross_replica(token)`` / ``leave_cross_replica(saved)`` make the
   streams that work is issued on current around each synchronous stretch of it;
-- ``asarray(value, device)`` places a value on a device, ``to_host(array)``
+- ``on_device(device)`` is a context manager making ``device`` current (where
+  kernels and copies go), ``asarray(value, device)`` places a value on a device, ``to_host(array)``
   copies it back, and ``xp`` is the array namespace (``numpy`` or ``cupy``).
 
 ``import aiodist`` imports NumPy only; CuPy is imported the first time a GPU
@@ -24,6 +25,7 @@ device is asked for.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from typing import Any
 
@@ -46,6 +48,9 @@ _CUPY_REMEDY = (
     "install CuPy for your CUDA version: pip install 'aiodist[cuda12]' (CUDA 12.x) "
     "or pip install 'aiodist[cuda13]' (CUDA 13.x)"
 )
+
+
+_NOTHING = contextlib.nullcontext()
 
 
 class CpuBackend:
@@ -83,6 +88,10 @@ class CpuBackend:
 
     def end_cross_replica(self, token: object, slots: Any) -> None:
         return None
+
+    def on_device(self, device: Device) -> contextlib.nullcontext:
+        """A context manager making ``device`` current: nothing to do on the host."""
+        return _NOTHING
 
     def asarray(self, value: object, device: Device) -> np.ndarray:
         return value if type(value) is np.ndarray else np.asarray(value)

@@ -130,10 +130,18 @@ class CrossDeviceOps:
             shared = array.view()
             shared.flags.writeable = False
             return [shared, *[shared.view() for _ in range(len(destinations) - 1)]]
-        out = []
+        out, given = [], False
         for device in destinations:
             backend = backend_for(device)
-            out.append(backend.shared_view(backend.asarray(array, device)))
+            placed = backend.asarray(array, device)
+            # On GPUs the first destination on the array's device takes the array
+            # itself and every other one gets memory of its own (CuPy arrays cannot
+            # be made read-only, and replicas may update results in place); on the
+            # host every destination gets a read-only view.
+            if placed is array and (given or backend is cpu_backend):
+                placed = backend.shared_view(array)
+            given = given or placed is array
+            out.append(placed)
         return out
 
     def _all_reduce_flat(
@@ -159,12 +167,14 @@ class CrossDeviceOps:
         if backend is not cpu_backend:  # packs are built on the device that reduces them
             per_replica = [[backend.asarray(a, target) for a in leaves] for leaves in per_replica]
         for pack in _pack_indices(first, options.bytes_per_pack):
-            if len(pack) == len(first):  # the usual case: one dtype, one pack
-                buffers = [xp.concatenate(leaves, axis=None) for leaves in per_replica]
-            else:
-                buffers = [
-                    xp.concatenate([leaves[i] for i in pack], axis=None) for leaves in per_replica
-                ]
+            with backend.on_device(target):
+                if len(pack) == len(first):  # the usual case: one dtype, one pack
+                    buffers = [xp.concatenate(leaves, axis=None) for leaves in per_replica]
+                else:
+                    buffers = [
+                        xp.concatenate([leaves[i] for i in pack], axis=None)
+                        for leaves in per_replica
+                    ]
             reduced = self._reduce_arrays(op, buffers, target)
             flats = self._broadcast_array(reduced, devices)
             # Split replica 0's buffer once; the others get views of those pieces
@@ -207,7 +217,8 @@ class CrossDeviceOps:
         out: list[list] = [[] for _ in per_replica]
         for index in range(len(per_replica[0])):
             parts = [backend.asarray(leaves[index], target) for leaves in per_replica]
-            gathered = backend.xp.concatenate(parts, axis=axis)
+            with backend.on_device(target):
+                gathered = backend.xp.concatenate(parts, axis=axis)
             for replica, view in enumerate(self._broadcast_array(gathered, devices)):
                 out[replica].append(view)
         return out
@@ -283,16 +294,20 @@ class CrossDeviceOps:
         _check_gatherable(arrays, axis, "gather")
         backend = backend_for(devices[0])
         parts = [backend.asarray(array, devices[0]) for array in arrays]
-        return self._deliver(backend.xp.concatenate(parts, axis=axis), devices)
+        with backend.on_device(devices[0]):
+            gathered = backend.xp.concatenate(parts, axis=axis)
+        return self._deliver(gathered, devices)
 
     def _deliver(self, array: Any, devices: Sequence[Device], copy: bool = False) -> Any:
         """``array`` on ``devices``: one array, or a ``Mirrored`` of read-only views.
 
         ``copy``: ``array`` is the caller's, so never hand out its memory.
         """
-        placed = backend_for(devices[0]).asarray(array, devices[0])
+        backend = backend_for(devices[0])
+        placed = backend.asarray(array, devices[0])
         if copy and placed is array:
-            placed = placed.copy()
+            with backend.on_device(devices[0]):
+                placed = placed.copy()
         if len(devices) == 1:
             return placed
         return Mirrored(self._broadcast_array(placed, devices), devices)
@@ -350,21 +365,19 @@ class ReductionToOneDevice(CrossDeviceOps):
         else:
             values = [backend.asarray(array, target) for array in arrays]
         if self.accumulation_fn is not None and op in (ReduceOp.SUM, ReduceOp.MEAN):
-            total = backend.asarray(self.accumulation_fn(values), target)
+            with backend.on_device(target):
+                total = backend.asarray(self.accumulation_fn(values), target)
         elif backend is cpu_backend:
             total = host_combine(_NUMPY_UFUNCS[op], values)
-        elif len(values) == 1:
-            total = values[0].copy()
         else:
-            combine = getattr(xp, op.ufunc)
-            total = xp.asarray(combine(values[0], values[1]))  # ufuncs give scalars for 0-d
-            for value in values[2:]:
-                combine(total, value, out=total)
+            with backend.on_device(target):  # kernels run on the current device
+                total = _combine_on_device(xp, op, values)
         if op.divides_by_count:
-            if total.dtype.kind in "fc":
-                total /= len(values)
-            else:  # integers: a float mean, as TensorFlow and NumPy give
-                total = xp.asarray(xp.true_divide(total, len(values)))
+            with backend.on_device(target):
+                if total.dtype.kind in "fc":
+                    total /= len(values)
+                else:  # integers: a float mean, as TensorFlow and NumPy give
+                    total = xp.asarray(xp.true_divide(total, len(values)))
         return total
 
 
@@ -415,7 +428,11 @@ class NcclAllReduce(CrossDeviceOps):
         return self._one_device._reduce_arrays(op, arrays, target)
 
     def _broadcast_array(self, array: Any, destinations: Sequence[Device]) -> list:
-        if len(destinations) < 2 or len(set(destinations)) != len(destinations):
+        if (
+            len(destinations) < 2
+            or len(set(destinations)) != len(destinations)
+            or any(d.kind != "GPU" for d in destinations)
+        ):
             return super()._broadcast_array(array, destinations)
         from . import _cuda
 
@@ -453,6 +470,17 @@ class NcclAllReduce(CrossDeviceOps):
         from . import _cuda
 
         return _cuda.all_gather(per_replica, axis, devices, streams, backend_for(devices[0]))
+
+
+def _combine_on_device(xp: Any, op: ReduceOp, values: Sequence[Any]) -> Any:
+    """``op`` across ``values`` with the array module's ufunc, into a new array."""
+    if len(values) == 1:
+        return values[0].copy()
+    combine = getattr(xp, op.ufunc)
+    total = xp.asarray(combine(values[0], values[1]))  # ufuncs give scalars for 0-d
+    for value in values[2:]:
+        combine(total, value, out=total)
+    return total
 
 
 def _components(value: Any, where: str) -> list:

@@ -69,6 +69,23 @@ def _event_on(stream: Any, index: int) -> Any:
     return event
 
 
+def _wait_on(stream: Any, index: int, events: Sequence[Any]) -> None:
+    """Make ``stream`` (of device ``index``) wait for ``events``.
+
+    The device is made current first: the null stream's handle (0) means the
+    default stream of whichever device is current.
+    """
+    current = runtime.getDevice()
+    if current != index:
+        runtime.setDevice(index)
+    try:
+        for event in events:
+            stream.wait_event(event)
+    finally:
+        if current != index:
+            runtime.setDevice(current)
+
+
 async def wait_event(event: Any) -> None:
     """Return once ``event`` has completed, without blocking the event loop.
 
@@ -90,12 +107,19 @@ class GpuBackend:
 
     kind = "GPU"
     xp = cupy
-    array_type = cupy.ndarray
+    # None: CuPy arrays may live on another GPU, so every value a replica passes to
+    # a collective goes through asarray (which returns it when already in place).
+    array_type = None
     needs_activation = True
 
     def __init__(self) -> None:
         self.count = int(runtime.getDeviceCount())
-        self._cross_streams: dict[int, Any] = {}
+        # Cross streams per group of replica streams (one strategy's replicas) and
+        # device: a cross stream only ever waits for its own replicas, so memory one
+        # strategy's replicas may still be reading is never reused by another's work.
+        self._cross_streams: dict[tuple, Any] = {}
+        # Host copies whose awaiting was cancelled: kept alive until their copy is done.
+        self._orphans: list[tuple[Any, Any]] = []
 
     def check(self, device: Device) -> None:
         if device.index >= self.count:
@@ -133,39 +157,41 @@ class GpuBackend:
 
     # -- cross-replica work ----------------------------------------------------------
 
-    def cross_stream(self, index: int) -> Any:
-        """The stream cross-replica work uses on device ``index`` (one per device)."""
-        stream = self._cross_streams.get(index)
-        if stream is None:
+    def cross_stream(self, slots: Sequence[Any], index: int) -> Any:
+        """The stream cross-replica work of ``slots``' replicas uses on device ``index``."""
+        key = (*(id(slot.stream) for slot in slots), index)
+        entry = self._cross_streams.get(key)
+        if entry is None:
             with cupy.cuda.Device(index):
-                stream = self._cross_streams[index] = cupy.cuda.Stream(non_blocking=True)
-        return stream
+                stream = cupy.cuda.Stream(non_blocking=True)
+            # The replica streams are kept with it, so their ids stay theirs.
+            entry = self._cross_streams[key] = (stream, [slot.stream for slot in slots])
+        return entry[0]
 
     def begin_cross_replica(self, slots: Sequence[Any], first: Device | None = None) -> tuple:
         """Order every device's cross stream after the work queued on every replica
-        stream. Returns the devices' indices (``first``, the device that will do
-        the work, leads)."""
+        stream. Returns the token for the other hooks: the cross streams by device
+        (``first``, the device that will do the work, leads)."""
         indices = dict.fromkeys(
             ([first.index] if first is not None and first.kind == "GPU" else [])
             + [slot.device.index for slot in slots]
         )
         events = [_event_on(slot.stream, slot.device.index) for slot in slots]
-        for index in indices:
-            stream = self.cross_stream(index)
-            for event in events:
-                stream.wait_event(event)
-        return tuple(indices)
+        order = tuple((index, self.cross_stream(slots, index)) for index in indices)
+        for index, stream in order:
+            _wait_on(stream, index, events)
+        return order
 
-    def enter_cross_replica(self, indices: tuple) -> tuple:
-        """Make each device's cross stream current, and ``indices[0]`` the current
-        device; the token restores what was current."""
+    def enter_cross_replica(self, order: tuple) -> tuple:
+        """Make each device's cross stream current, and the first one's device the
+        current device; the token restores what was current."""
         previous_device = runtime.getDevice()
         saved = []
-        for index in indices:
+        for index, stream in order:
             runtime.setDevice(index)
             saved.append((index, cupy.cuda.get_current_stream(index)))
-            self.cross_stream(index).use()
-        runtime.setDevice(indices[0])
+            stream.use()
+        runtime.setDevice(order[0][0])
         return previous_device, saved
 
     def leave_cross_replica(self, token: tuple) -> None:
@@ -175,13 +201,16 @@ class GpuBackend:
             stream.use()
         runtime.setDevice(previous_device)
 
-    def end_cross_replica(self, indices: tuple, slots: Sequence[Any]) -> None:
+    def end_cross_replica(self, order: tuple, slots: Sequence[Any]) -> None:
         """Order every replica stream's later work after the cross-replica work
         issued on the cross streams."""
-        events = [_event_on(self.cross_stream(index), index) for index in indices]
+        events = [_event_on(stream, index) for index, stream in order]
         for slot in slots:
-            for event in events:
-                slot.stream.wait_event(event)
+            _wait_on(slot.stream, slot.device.index, events)
+
+    def on_device(self, device: Device) -> Any:
+        """A context manager making ``device`` current (for one synchronous stretch)."""
+        return cupy.cuda.Device(device.index)
 
     # -- placing arrays ----------------------------------------------------------------
 
@@ -200,14 +229,17 @@ class GpuBackend:
     def _copy_between(self, array: Any, source: int, target: int) -> Any:
         # The copy waits for the work queued on the source device's current
         # stream (which produced `array`), and that stream waits for the copy
-        # before it may reuse `array`'s memory.
+        # before it may reuse `array`'s memory. A non-contiguous array is made
+        # contiguous on the source first, before the event, so the copy sees it.
         source_stream = cupy.cuda.get_current_stream(source)
+        with cupy.cuda.Device(source):
+            array = cupy.ascontiguousarray(array)
         produced = _event_on(source_stream, source)
         with cupy.cuda.Device(target):
             target_stream = cupy.cuda.get_current_stream(target)
             target_stream.wait_event(produced)
             copy = array.copy()
-        source_stream.wait_event(_event_on(target_stream, target))
+        _wait_on(source_stream, source, [_event_on(target_stream, target)])
         return copy
 
     def to_host(self, value: object) -> np.ndarray:
@@ -231,8 +263,14 @@ class GpuBackend:
                 events.append(_event_on(stream, index))
         finally:
             runtime.setDevice(previous)
-        for event in events:
-            await wait_event(event)
+        self._orphans = [o for o in self._orphans if runtime.eventQuery(o[1].ptr) == _NOT_READY]
+        try:
+            for event in events:
+                await wait_event(event)
+        except asyncio.CancelledError:
+            # The copies may still be writing into the pinned buffers: keep them.
+            self._orphans.extend(zip(copies, events, strict=True))
+            raise
         return copies
 
     async def streams_ready(self, indices: Any) -> None:
@@ -250,9 +288,7 @@ class GpuBackend:
         so far on every replica stream (cross-replica code outside a collective)."""
         events = [_event_on(slot.stream, slot.device.index) for slot in slots]
         for index in dict.fromkeys(slot.device.index for slot in slots):
-            stream = cupy.cuda.get_current_stream(index)
-            for event in events:
-                stream.wait_event(event)
+            _wait_on(cupy.cuda.get_current_stream(index), index, events)
 
     def order_replicas_after(self, slots: Sequence[Any]) -> None:
         """Make every replica stream's later work wait for the work queued so far on
@@ -262,12 +298,14 @@ class GpuBackend:
             for index in dict.fromkeys(slot.device.index for slot in slots)
         ]
         for slot in slots:
-            for event in events:
-                slot.stream.wait_event(event)
+            _wait_on(slot.stream, slot.device.index, events)
 
     def shared_view(self, array: Any) -> Any:
-        """A new array object over ``array``'s memory (CuPy has no read-only flag)."""
-        return array.view()
+        """Another replica's handle on a result: a copy on GPUs, issued on the current
+        stream. CuPy has no read-only flag, so a shared buffer could be changed by
+        one replica under another (on another stream: a race as well)."""
+        with cupy.cuda.Device(array.device.id):  # copy() copies to the current device
+            return array.copy()
 
 
 # -- NCCL ------------------------------------------------------------------------------
@@ -420,12 +458,15 @@ def all_reduce(
     n = len(per_replica)
     comms = communicators(tuple(d.index for d in devices))
     first = per_replica[0]
-    groups: dict[np.dtype, list[int]] = {}
+    # Complex leaves get packs of their own: a complex value viewed in a float
+    # buffer must start on a whole complex element (CuPy's kernels assume it).
+    groups: dict[tuple, list[int]] = {}
     for index, leaf in enumerate(first):
-        groups.setdefault(travel_dtype(op, leaf.dtype), []).append(index)
+        key = (travel_dtype(op, leaf.dtype), leaf.dtype.kind == "c")
+        groups.setdefault(key, []).append(index)
     out: list[list] = [[None] * len(first) for _ in range(n)]
     nccl_op = getattr(nccl, _NCCL_OPS[op])
-    for travel, members in groups.items():
+    for (travel, _), members in groups.items():
         datatype = getattr(nccl, _NCCL_NAMES[travel.name])
         sends, buffers = [], []
         for rank in range(n):
@@ -535,22 +576,8 @@ def all_gather(
             finally:
                 backend.deactivate(token)
         nbytes = sends[0].nbytes
-        if nbytes == 0:  # nothing to move: every replica already holds the (empty) result
-            for rank in range(n):
-                out[rank].append(_gathered(receives[rank], lengths, axis, shape))
-            continue
-        nccl.groupStart()
-        try:
-            for rank in range(n):
-                comms[rank].allGather(
-                    sends[rank].data.ptr,
-                    receives[rank].data.ptr,
-                    nbytes,
-                    nccl.NCCL_UINT8,
-                    streams[rank].ptr,
-                )
-        finally:
-            nccl.groupEnd()
+        if nbytes:  # (nothing to move for empty values: NCCL rejects null buffers)
+            _all_gather_call(nccl, comms, sends, receives, nbytes, streams)
         for rank in range(n):
             token = backend.activate(devices[rank], streams[rank])
             try:
@@ -558,6 +585,24 @@ def all_gather(
             finally:
                 backend.deactivate(token)
     return out
+
+
+def _all_gather_call(
+    nccl: Any, comms: list, sends: list, receives: list, nbytes: int, streams: Sequence[Any]
+) -> None:
+    """One grouped NCCL allGather of ``nbytes`` bytes per rank."""
+    nccl.groupStart()
+    try:
+        for rank, comm in enumerate(comms):
+            comm.allGather(
+                sends[rank].data.ptr,
+                receives[rank].data.ptr,
+                nbytes,
+                nccl.NCCL_UINT8,
+                streams[rank].ptr,
+            )
+    finally:
+        nccl.groupEnd()
 
 
 def _gathered(stacked: Any, lengths: Sequence[int], axis: int, shape: Sequence[int]) -> Any:
@@ -578,11 +623,13 @@ def broadcast(array: Any, devices: Sequence[Device], backend: GpuBackend) -> lis
     NCCL broadcast, each rank on its device's current stream."""
     nccl = _nccl()
     comms = communicators(tuple(d.index for d in devices))
-    array = cupy.ascontiguousarray(array)
-    buffers = [array.copy()]
+    with cupy.cuda.Device(devices[0].index):  # rank 0's buffer on rank 0's device
+        buffers = [cupy.ascontiguousarray(array).copy()]
     for device in devices[1:]:
         with cupy.cuda.Device(device.index):
             buffers.append(cupy.empty(array.shape, array.dtype))
+    if buffers[0].nbytes == 0:  # NCCL rejects null buffers; nothing to send
+        return buffers
     nccl.groupStart()
     try:
         for rank, (comm, buffer) in enumerate(zip(comms, buffers, strict=True)):

@@ -98,6 +98,14 @@ async def _await(awaitable: Any) -> Any:
     return await awaitable
 
 
+async def _then(coro: Any, after: Callable[[], None]) -> Any:
+    """Await ``coro``, then call ``after()`` however it ends."""
+    try:
+        return await coro
+    finally:
+        after()
+
+
 async def _call(fn: Callable, args: Sequence, kwargs: dict) -> object:
     """A plain replica function, called inside its task; its result awaited if awaitable."""
     result = fn(*args, **kwargs)
@@ -427,8 +435,11 @@ class RunGroup:
         streams: the cross-replica work is then finished with ``end_cross_replica``
         once issued, and an async ``merge_fn`` steps with the cross streams current."""
 
+        ended = []
+
         def issued() -> None:
-            if backend is not None:
+            if backend is not None and not ended:
+                ended.append(True)
                 backend.end_cross_replica(order, self.slots)
 
         merge_fn = payloads[0].merge_fn
@@ -453,6 +464,9 @@ class RunGroup:
             coro = drive(
                 coro, partial(backend.enter_cross_replica, order), backend.leave_cross_replica
             )
+            # Ordered as soon as merge_fn's work is issued, while its arguments are
+            # still referenced (their memory is not reused before the replicas wait).
+            coro = _then(coro, issued)
         loop = get_running_loop()
         task = loop.create_task(coro, context=context)
         self._aux.add(task)

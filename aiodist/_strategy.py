@@ -465,8 +465,10 @@ class Strategy:
         if on_gpu:
             backend = backend_for(Device("GPU", parts[on_gpu[0]].device.id))
             ordered = self._order_before_cross_replica()
-            copies = await backend.to_host_async([parts[i] for i in on_gpu])
-            self._order_after_cross_replica(ordered)
+            try:
+                copies = await backend.to_host_async([parts[i] for i in on_gpu])
+            finally:
+                self._order_after_cross_replica(ordered)
             for i, copy in zip(on_gpu, copies, strict=True):
                 parts[i] = copy
         return [p if type(p) is np.ndarray else np.asarray(p) for p in parts]

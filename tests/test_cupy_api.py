@@ -30,7 +30,7 @@ def test_runtime_stream_and_event_apis_exist():
     assert "device_id" in (cupy.cuda.get_current_stream.__doc__ or "")
     assert "blocking" in (cupy.ndarray.get.__doc__ or "")
     assert callable(cupyx.empty_pinned)
-    assert cuda.GpuBackend.array_type is cupy.ndarray
+    assert cuda.GpuBackend.xp is cupy
 
 
 def test_nccl_apis_exist():

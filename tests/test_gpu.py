@@ -145,6 +145,23 @@ async def test_all_reduce_with_four_replicas_on_one_gpu(op):
         np.testing.assert_allclose(component.get(), expected, rtol=1e-6)
 
 
+async def test_replicas_sharing_a_gpu_each_get_their_own_result():
+    """CuPy arrays cannot be read-only: each replica's result is its own memory,
+    so updating it in place (grad *= lr) leaves the others alone."""
+    strategy = _shared(3)
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        result = await ctx.all_reduce("sum", cupy.ones(4, dtype=cupy.float32))
+        result *= ctx.replica_id_in_sync_group + 1
+        await asyncio.sleep(0)  # let the others update theirs too
+        return result
+
+    result = await strategy.run(fn)
+    for rid, component in enumerate(strategy.experimental_local_results(result)):
+        np.testing.assert_array_equal(component.get(), [3.0 * (rid + 1)] * 4)
+
+
 async def test_all_gather_and_merge_call_on_one_gpu():
     strategy = _shared(4)
 
