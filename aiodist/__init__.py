@@ -29,6 +29,7 @@ from ._errors import (
     ReplicaExitedError,
 )
 from ._input import DistributedDataset, InputContext, InputOptions, InputReplicationMode
+from ._multi_worker import MultiWorkerMirroredStrategy
 from ._ops import ReduceOp
 from ._options import CommunicationImplementation, CommunicationOptions
 from ._replica_context import ReplicaContext
@@ -73,6 +74,7 @@ __all__ = [
     "Mirrored",
     "MirroredStrategy",
     "MirroredVariable",
+    "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
     "PerReplica",

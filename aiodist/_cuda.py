@@ -15,7 +15,7 @@ This module imports CuPy, so nothing imports it until a GPU device is asked for
    an event recorded on every cross stream (``end_cross_replica``). Nothing
    here blocks the event loop: the host only *issues* work.
 3. **Waiting for the GPU from async code polls an event from the loop**
-   (``wait_event``): ``cudaEventQuery`` with a growing pause, never a host
+   (``wait_event``): ``cudaEventQuery`` with a growing pause (``_poll``), never a host
    callback on the driver's thread, and never ``Event.done``, which reports a
    device error as "not done" forever. An error status raises.
 
@@ -36,6 +36,7 @@ import cupyx
 import numpy as np
 from cupy.cuda import runtime
 
+from . import _poll
 from ._devices import Device
 from ._errors import DeviceError, InvalidArgumentError
 from ._ops import ReduceOp
@@ -44,11 +45,6 @@ __all__ = ["GpuBackend", "nccl_version", "wait_event"]
 
 # cudaEventQuery's "not ready" status (cudaErrorNotReady; HIP uses the same value).
 _NOT_READY = 600
-# Pauses between event queries: the first check is immediate, then 50 µs,
-# doubling up to 2 ms, so a short wait costs little latency and a long one
-# little CPU.
-_FIRST_PAUSE = 50e-6
-_LONGEST_PAUSE = 2e-3
 
 
 def _event_on(stream: Any, index: int) -> Any:
@@ -91,15 +87,14 @@ async def wait_event(event: Any) -> None:
 
     Raises the CUDA error (``CUDARuntimeError``) if the device reports one.
     """
-    pause = 0.0
-    while True:
+
+    def done() -> bool:
         status = runtime.eventQuery(event.ptr)
-        if status == 0:
-            return
-        if status != _NOT_READY:
+        if status not in (0, _NOT_READY):
             runtime.check_status(status)  # raises CUDARuntimeError naming the error
-        await asyncio.sleep(pause)
-        pause = min(max(pause * 2, _FIRST_PAUSE), _LONGEST_PAUSE)
+        return status == 0
+
+    await _poll.until(done)
 
 
 class GpuBackend:

@@ -151,6 +151,17 @@ def _leaf_arrays(element: object, where: str) -> list:
     return arrays
 
 
+def _local_shards(strategy: Any, element: object) -> list:
+    """This process's shards of a global batch: all of them in one process; with
+    several workers, the batch is split over every replica of every worker and
+    this worker keeps its own replicas' rows."""
+    local = len(strategy._slots)
+    if strategy._world is None:
+        return split_batch(element, local)
+    first = strategy._replica_offset
+    return split_batch(element, strategy.num_replicas_in_sync)[first : first + local]
+
+
 def split_batch(element: object, num_replicas: int) -> list:
     """One structure per replica, each leaf's rows split as evenly as possible.
 
@@ -399,7 +410,7 @@ class DistributedDataset:
             more, shards = await source.next_shards(len(self._slots))
         else:
             more, element = await source.next()
-            shards = split_batch(element, len(self._slots)) if more else None
+            shards = _local_shards(self._strategy, element) if more else None
         return (True, self._place(shards)) if more else (False, None)
 
     def _next_sync(self, source: Any) -> Any:
@@ -478,11 +489,14 @@ def from_function(
         options = InputOptions()
     elif not isinstance(options, InputOptions):
         raise InvalidArgumentError(f"options={options!r}; expected aiodist.InputOptions or None.")
-    n = strategy.num_replicas_in_sync
+    n = strategy.num_replicas_in_sync  # every worker's replicas
+    first, local = strategy._replica_offset, len(strategy._slots)
     if options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
-        iterables = [dataset_fn(InputContext(n, r, n)) for r in range(n)]
-    else:
-        iterables = [dataset_fn(InputContext(1, 0, n))]
+        iterables = [dataset_fn(InputContext(n, first + r, n)) for r in range(local)]
+    else:  # one pipeline per worker
+        world = strategy._world
+        workers, rank = (1, 0) if world is None else (world.size, world.rank)
+        iterables = [dataset_fn(InputContext(workers, rank, n))]
     where = "distribute_datasets_from_function"
     for iterable in iterables:
         _Source(iterable, where)  # validate at the call

@@ -101,8 +101,9 @@ class ReplicaContext:
 
     @property
     def replica_id_in_sync_group(self) -> int:
-        """This replica's id, from 0 to ``num_replicas_in_sync - 1``."""
-        return self._replica_id
+        """This replica's id, from 0 to ``num_replicas_in_sync - 1`` (global: across
+        workers in a multi-worker strategy)."""
+        return self._strategy._replica_offset + self._replica_id
 
     @property
     def devices(self) -> tuple[str, ...]:

@@ -397,10 +397,10 @@ class RunGroup:
         if not backend.needs_activation:  # host devices: no streams to order
             if signature.name == "merge_call":
                 return self._merge(number, payloads, None, None)
-            return self._collective(signature, payloads)
+            return self._collective(number, signature, payloads)
         ops = self.strategy.extended._cross_device_ops
         if signature.name != "merge_call" and ops._on_replica_streams:
-            return self._collective(signature, payloads)  # e.g. NCCL, on each replica's stream
+            return self._collective(number, signature, payloads)  # NCCL: on replica streams
         # Cross streams wait for every replica's queued work, are current while the
         # work is issued, and every replica's later work waits for them.
         order = backend.begin_cross_replica(self.slots, ops._gather_device(self.devices))
@@ -411,12 +411,12 @@ class RunGroup:
             finally:
                 backend.leave_cross_replica(saved)
         try:
-            return self._collective(signature, payloads)
+            return self._collective(number, signature, payloads)
         finally:
             backend.leave_cross_replica(saved)
             backend.end_cross_replica(order, self.slots)
 
-    def _collective(self, signature: Signature, payloads: list) -> list:
+    def _collective(self, number: int, signature: Signature, payloads: list) -> Any:
         ops = self.strategy.extended._cross_device_ops
         first = payloads[0]
         arrays = [payload.arrays for payload in payloads]

@@ -230,6 +230,10 @@ class StrategyExtended:
 class Strategy:
     """Base class of strategies. Use ``MirroredStrategy`` or ``OneDeviceStrategy``."""
 
+    _group_class = RunGroup  # what runs replicas (multi-worker: one that spans workers)
+    _world: Any = None  # the workers of a multi-worker strategy (None: one process)
+    _replica_offset = 0  # global id of this process's first replica
+
     def __init__(
         self,
         devices: Sequence[Device],
@@ -329,7 +333,7 @@ class Strategy:
             raise InvalidArgumentError(f"run: fn={fn!r} is not callable.")
         args = _positional(args, "run")
         kwargs = _keywords(kwargs, "run")
-        return await RunGroup(self, self._slots).run(fn, args, kwargs)
+        return await self._group_class(self, self._slots).run(fn, args, kwargs)
 
     def experimental_distribute_values_from_function(
         self, value_fn: Callable[[ValueContext], Any]
@@ -349,10 +353,11 @@ class Strategy:
         for slot in self._slots:
             token = slot.backend.activate(slot.device, slot.stream)
             try:
-                values.append(value_fn(ValueContext(slot.replica_id, n)))
+                replica_id = self._replica_offset + slot.replica_id
+                values.append(value_fn(ValueContext(replica_id, n)))
             finally:
                 slot.backend.deactivate(token)
-        return values[0] if n == 1 else PerReplica(values, self._devices)
+        return values[0] if len(values) == 1 else PerReplica(values, self._devices)
 
     def experimental_distribute_dataset(
         self, dataset: Any, options: InputOptions | None = None
@@ -388,7 +393,7 @@ class Strategy:
         if hasattr(value, "_aiodist_local_results"):  # distributed variables
             return tuple(value._aiodist_local_results())
         if _nest.is_nested(value):
-            n = self.num_replicas_in_sync
+            n = len(self._slots)  # this process's replicas
             return tuple(select_replica(i, value, n) for i in range(n))
         return (value,)
 
@@ -454,10 +459,10 @@ class Strategy:
         stream order while the loop keeps running."""
         if isinstance(value, DistributedValues):
             parts = list(value._values)
-            if len(parts) != self.num_replicas_in_sync:
+            if len(parts) != len(self._slots):
                 raise InvalidArgumentError(
                     f"a {type(value).__name__} with {len(parts)} values was passed to a "
-                    f"strategy with {self.num_replicas_in_sync} replicas."
+                    f"strategy with {len(self._slots)} local replicas."
                 )
         else:
             parts = [value]

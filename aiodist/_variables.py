@@ -38,7 +38,7 @@ from ._backends import backend_for, host_array, is_cupy_array
 from ._devices import Device
 from ._errors import ContextError, InvalidArgumentError
 from ._ops import ReduceOp
-from ._values import DistributedValues, Mirrored
+from ._values import DistributedValues, Mirrored, PerReplica
 
 __all__ = [
     "MirroredVariable",
@@ -200,6 +200,12 @@ class Variable:
                     if sync is VariableSynchronization.ON_READ
                     else MirroredVariable
                 )
+                if cls is SyncOnReadVariable and state.strategy._world is not None:
+                    raise InvalidArgumentError(
+                        "synchronization=ON_READ variables are not supported across "
+                        "workers in this version (their reads would have to wait for every "
+                        "worker synchronously); use a mirrored variable."
+                    )
         return super().__new__(cls)
 
     def __init__(
@@ -238,6 +244,11 @@ class Variable:
                 "scope; create it as aiodist.Variable(...) under `with strategy.scope():`."
             )
         self._strategy = strategy
+        if strategy is not None and strategy._world is not None:
+            # Every worker's copies start from worker 0's value (a synchronous
+            # rendezvous of the workers, at the same point of the program).
+            timeout = strategy._communication_options.timeout_seconds
+            host = strategy._world.broadcast_now(host, f"Variable {self._name!r}", timeout)
         self._devices: tuple[Device, ...] = (
             (_HOST,) if strategy is None else tuple(s.device for s in strategy._slots)
         )
@@ -411,13 +422,34 @@ class MirroredVariable(Variable):
         def merge_fn(strategy: Any, per_replica: Any) -> None:
             parts = list(strategy.experimental_local_results(per_replica))
             if len(parts) == 1:  # the same object on every replica
-                parts *= strategy.num_replicas_in_sync
+                parts *= len(strategy._slots)
             self._write_every_copy(kind, self._aggregate(parts))
+
+        if self._strategy._world is not None:  # across workers: aggregate globally
+
+            async def merge_fn(strategy: Any, per_replica: Any) -> None:
+                self._write_every_copy(kind, await self._aggregate_across(per_replica))
 
         merge_fn.__qualname__ = f"{self._name}.{kind}"
         merge_fn._aiodist_key = (id(self), kind)  # type: ignore[attr-defined]
         await _context.get_replica_context().merge_call(merge_fn, args=(value,))
         return self
+
+    async def _aggregate_across(self, per_replica: Any) -> Any:
+        """The aggregate of every worker's replicas' values (multi-worker strategies)."""
+        strategy = self._strategy
+        local = len(strategy._slots)
+        if not isinstance(per_replica, DistributedValues) and local > 1:
+            # One object for every local replica: it is each of their values.
+            per_replica = PerReplica([per_replica] * local, strategy._devices)
+        if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+            # Global replica 0 is worker 0's first: its value reaches every worker
+            # as a sum in which every other worker adds zeros.
+            first = np.asarray(host_array(strategy.experimental_local_results(per_replica)[0]))
+            mine = first if strategy._world.rank == 0 else np.zeros_like(first)
+            return await strategy._reduce_across(ReduceOp.SUM, mine, None, None)
+        op = ReduceOp.SUM if self._aggregation is VariableAggregation.SUM else ReduceOp.MEAN
+        return await strategy._reduce_across(op, per_replica, None, None)
 
     def _aggregate(self, parts: Sequence[Any]) -> Any:
         if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:

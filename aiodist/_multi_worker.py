@@ -1,0 +1,569 @@
+"""``MultiWorkerMirroredStrategy``: the same replica functions across processes, on MPI.
+
+Every process (a *worker*) runs the same program (``mpiexec -n 4 python train.py``)
+and holds some replicas; replica ids are global (worker 0's first, then worker
+1's, ...). A collective is done in three steps:
+
+1. **locally**: the worker's replicas meet at the usual rendezvous, and their
+   values are combined inside the worker (``ReductionToOneDevice``);
+2. **across workers**, on a private duplicate of ``MPI.COMM_WORLD``: first every
+   worker sends every other a small *header* (what it is calling, the shapes,
+   its place in the order) with non-blocking point-to-point messages; when all
+   headers are in and agree, the data goes through one non-blocking MPI
+   collective (``Iallreduce``, ``Iallgatherv``, ``Ibcast``). Requests are
+   polled from the event loop (``_poll``), never waited on with a blocking call;
+3. **locally** again: every replica receives the result.
+
+**The order rule.** MPI matches collectives by the order they are issued in, so
+every worker must issue the same cross-worker operations in the same order.
+Within a run that is the call order, which the local rendezvous already checks.
+Across runs, ``strategy.run`` calls on one strategy are *serialised*: a run
+starts when the previous one has finished, so concurrent runs never interleave
+their collectives (they are numbered in submission order). Cross-replica calls
+(``strategy.reduce``, ``gather``, ``extended.reduce_to``) take their place in
+the same sequence. The headers make any break of the rule an error instead of
+a deadlock: a worker calling something else at the same place is named
+(``CollectiveMismatchError``), a worker that never arrives — slow, stuck or
+dead — is named when ``timeout_seconds`` expires (``RendezvousTimeoutError``).
+After a timeout the cross-worker order is lost for good: every later
+cross-worker call raises at once, and the job must be restarted.
+
+GPU replicas across workers (one NCCL communicator over every GPU of every
+worker) are not supported in this version; CPU replicas are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _poll
+from ._devices import Device
+from ._errors import (
+    CollectiveMismatchError,
+    DeviceError,
+    InvalidArgumentError,
+    RendezvousError,
+    RendezvousTimeoutError,
+)
+from ._ops import ReduceOp
+
+__all__ = ["World", "import_mpi"]
+
+_HEADER_BYTES = 4096
+_HEADER_TAG = 7001
+_MPI_OPS = {
+    ReduceOp.SUM: "SUM",
+    ReduceOp.MEAN: "SUM",  # divided by the global replica count after
+    ReduceOp.MIN: "MIN",
+    ReduceOp.MAX: "MAX",
+    ReduceOp.PRODUCT: "PROD",
+}
+
+
+def import_mpi() -> Any:
+    """mpi4py's ``MPI`` module; ``InvalidArgumentError`` saying how to install it."""
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise InvalidArgumentError(
+            f"MultiWorkerMirroredStrategy needs mpi4py and an MPI library ({exc}); install "
+            "them with pip install 'aiodist[mpi]' (mpi4py and MPICH from PyPI), then start "
+            "every worker with mpiexec -n <workers> python your_program.py."
+        ) from None
+    return MPI
+
+
+def _span(first: int, count: int) -> str:
+    if count == 1:
+        return f"replica {first}"
+    return f"replicas {first}-{first + count - 1}"
+
+
+class World:
+    """The workers of one job: rank, size, each worker's replicas, the order.
+
+    ``counts[w]`` is how many replicas worker ``w`` holds; its replicas' global
+    ids start at ``offsets[w]``.
+    """
+
+    def __init__(self, local_replicas: int):
+        self.MPI = MPI = import_mpi()
+        self.comm = MPI.COMM_WORLD.Dup()  # our messages never meet the program's own
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        # Start-up exchange (blocking: strategies are built at the same point of the
+        # program on every worker, before any loop work depends on them).
+        self.counts = [int(c) for c in self.comm.allgather(local_replicas)]
+        self.offsets = [sum(self.counts[:w]) for w in range(self.size)]
+        self.total = sum(self.counts)
+        self.order = 0  # cross-worker operations issued so far
+        self.broken: RendezvousError | None = None
+
+    def who(self, worker: int) -> str:
+        return f"worker {worker} ({_span(self.offsets[worker], self.counts[worker])})"
+
+    def _usable(self) -> None:
+        if self.broken is not None:
+            raise type(self.broken)(
+                f"a cross-worker operation failed earlier ({self.broken}); the workers' "
+                "order of operations is lost, so no further cross-worker call can be "
+                "matched. Stop every worker and restart the job."
+            )
+
+    # -- the header exchange -----------------------------------------------------------
+
+    def _post_headers(self, what: str, key: str, extra: dict) -> tuple:
+        self._usable()
+        self.order += 1
+        if len(key) > 512:  # long structures: their digest is what must agree
+            key = hashlib.sha256(key.encode()).hexdigest()
+        mine = {"order": self.order, "what": what[:2000], "key": key, **extra}
+        data = json.dumps(mine).encode()
+        if len(data) > _HEADER_BYTES:
+            raise InvalidArgumentError(
+                f"{what}: too many values for one cross-worker call ({len(data)} bytes of "
+                "description); pass fewer leaves per call."
+            )
+        send = np.zeros(_HEADER_BYTES, np.uint8)
+        send[: len(data)] = np.frombuffer(data, np.uint8)
+        MPI, peers = self.MPI, [w for w in range(self.size) if w != self.rank]
+        received = {w: np.zeros(_HEADER_BYTES, np.uint8) for w in peers}
+        receives = {
+            w: self.comm.Irecv([received[w], MPI.BYTE], source=w, tag=_HEADER_TAG) for w in peers
+        }
+        sends = [self.comm.Isend([send, MPI.BYTE], dest=w, tag=_HEADER_TAG) for w in peers]
+        return mine, received, receives, sends, send
+
+    def _headers(self, mine: dict, received: dict) -> list[dict]:
+        headers = {self.rank: mine}
+        for worker, buffer in received.items():
+            headers[worker] = json.loads(bytes(buffer).rstrip(b"\0"))
+        return [headers[w] for w in range(self.size)]
+
+    def _check(self, headers: list[dict], what: str) -> None:
+        if len({(h["order"], h["key"]) for h in headers}) == 1:
+            return
+        seen = "; ".join(
+            f"{self.who(w)}: {h['what']} (cross-worker operation #{h['order']})"
+            for w, h in enumerate(headers)
+        )
+        raise CollectiveMismatchError(
+            f"workers disagree on cross-worker operation #{self.order}: {seen}. Every "
+            "worker must make the same collective calls, with the same shapes and dtypes, "
+            "in the same order (runs on one strategy are serialised; cross-replica "
+            "calls count in the same sequence)."
+        )
+
+    def _timed_out(self, what: str, timeout: float, missing: list[int], phase: str) -> None:
+        arrived = [w for w in range(self.size) if w not in missing]
+        self.broken = RendezvousTimeoutError(
+            f"{what}: timed out after {timeout:g} s {phase} "
+            f"{', '.join(self.who(w) for w in missing)}; "
+            f"{', '.join(self.who(w) for w in arrived) or 'no worker'} arrived. A worker "
+            "that died, is stuck, or called something else never arrives; raise "
+            "CommunicationOptions(timeout_seconds=...) if they are just slow."
+        )
+        raise self.broken
+
+    async def agree(self, what: str, key: str, timeout: float | None, **extra: Any) -> list:
+        """Every worker's header for the next cross-worker operation, once all agree."""
+        mine, received, receives, sends, _buffer = self._post_headers(what, key, extra)
+        arrived: set[int] = set()
+
+        def done() -> bool:
+            for worker, request in receives.items():
+                if worker not in arrived and request.Test():
+                    arrived.add(worker)
+            return len(arrived) == len(receives) and self.MPI.Request.Testall(sends)
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            finished = await _poll.until(done, deadline)
+        except asyncio.CancelledError:
+            self._lost(what, "was cancelled while waiting for the other workers")
+            raise
+        if not finished:
+            missing = [w for w in receives if w not in arrived]
+            for worker in missing:
+                receives[worker].Cancel()
+            self._timed_out(what, timeout or 0.0, missing, "waiting for")
+        headers = self._headers(mine, received)
+        self._check(headers, what)
+        return headers
+
+    def agree_now(self, what: str, key: str, timeout: float | None, **extra: Any) -> list:
+        """``agree`` for synchronous code (creating a variable): the same exchange,
+        waited for on this thread with short sleeps."""
+        mine, received, receives, sends, _buffer = self._post_headers(what, key, extra)
+        requests = [*receives.values(), *sends]
+        if not self._wait_now(requests, timeout):
+            missing = [w for w, r in receives.items() if not r.Test()]
+            self._timed_out(what, timeout or 0.0, missing, "waiting for")
+        headers = self._headers(mine, received)
+        self._check(headers, what)
+        return headers
+
+    def _wait_now(self, requests: list, timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = _poll.FIRST_PAUSE
+        while not self.MPI.Request.Testall(requests):
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, _poll.LONGEST_PAUSE)
+        return True
+
+    def _lost(self, what: str, how: str) -> None:
+        self.broken = RendezvousError(f"{what} {how}")
+
+    async def _complete(self, request: Any, what: str, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            finished = await _poll.until(request.Test, deadline)
+        except asyncio.CancelledError:
+            self._lost(what, "was cancelled while its data was moving between workers")
+            raise
+        if not finished:
+            # Every worker sent its header, so a worker that never completes the data
+            # step died or stopped after that.
+            self._timed_out(what, timeout or 0.0, [], "moving data; a worker stopped after")
+
+    # -- data ---------------------------------------------------------------------------
+
+    async def all_reduce(
+        self, op: ReduceOp, buffer: np.ndarray, what: str, timeout: float | None
+    ) -> np.ndarray:
+        """``buffer`` (this worker's contiguous share) reduced with ``op`` across workers."""
+        send, restore = _travel(buffer, op, what)
+        out = np.empty_like(send)
+        request = self.comm.Iallreduce(send, out, op=getattr(self.MPI, _MPI_OPS[op]))
+        await self._complete(request, what, timeout)
+        return restore(out)
+
+    async def all_gather_bytes(
+        self, data: np.ndarray, sizes: Sequence[int], what: str, timeout: float | None
+    ) -> list[np.ndarray]:
+        """Every worker's bytes (``sizes[w]`` from worker ``w``), in worker order."""
+        out = np.empty(sum(sizes), np.uint8)
+        offsets = [sum(sizes[:w]) for w in range(self.size)]
+        request = self.comm.Iallgatherv(
+            [data, self.MPI.BYTE], [out, list(sizes), offsets, self.MPI.BYTE]
+        )
+        await self._complete(request, what, timeout)
+        return [out[offsets[w] : offsets[w] + sizes[w]] for w in range(self.size)]
+
+    def broadcast_now(self, array: np.ndarray, what: str, timeout: float | None) -> np.ndarray:
+        """Worker 0's ``array`` on every worker (synchronous; shapes must agree)."""
+        key = f"broadcast {array.dtype.str}{array.shape}"
+        self.agree_now(what, key, timeout)
+        buffer = np.ascontiguousarray(array).copy()
+        request = self.comm.Ibcast([buffer.reshape(-1).view(np.uint8), self.MPI.BYTE], root=0)
+        if not self._wait_now([request], timeout):
+            self._timed_out(what, timeout or 0.0, [], "moving data; a worker stopped after")
+        return buffer
+
+
+def _travel(buffer: np.ndarray, op: ReduceOp, what: str) -> tuple:
+    """The array MPI reduces for ``buffer``, and how to turn the result back.
+
+    MPI has no half floats and no MIN/MAX of C booleans: float16 travels as
+    float32 and bool as uint8. Complex values have no order, so only SUM, MEAN
+    and PRODUCT reduce them.
+    """
+    buffer = np.ascontiguousarray(buffer)
+    kind = buffer.dtype
+    if kind == np.float16:
+        return buffer.astype(np.float32), lambda out: out.astype(np.float16)
+    if kind == np.bool_:
+        return buffer.view(np.uint8), lambda out: out.view(np.bool_)
+    if kind.kind == "c" and op in (ReduceOp.MIN, ReduceOp.MAX):
+        raise InvalidArgumentError(
+            f"{what}: cannot {op.name} complex values across workers (they have no order); "
+            "use SUM, MEAN or PRODUCT."
+        )
+    return buffer, lambda out: out
+
+
+def local_devices(devices_per_worker: Any) -> tuple[Device, ...]:
+    """The devices of this worker's replicas."""
+    from ._strategy import _default_devices, _parse_devices
+
+    if devices_per_worker is None:
+        devices = _default_devices()
+    elif isinstance(devices_per_worker, int) and not isinstance(devices_per_worker, bool):
+        if devices_per_worker < 1:
+            raise InvalidArgumentError(
+                f"devices_per_worker={devices_per_worker}; expected at least 1 replica."
+            )
+        devices = tuple(Device("CPU", i) for i in range(devices_per_worker))
+    else:
+        devices = _parse_devices(devices_per_worker)
+    if any(d.kind == "GPU" for d in devices):
+        raise DeviceError(
+            f"devices {[str(d) for d in devices]}: GPU replicas across workers are not "
+            "supported in this version; use CPU devices (devices_per_worker=2 gives "
+            "'cpu:0', 'cpu:1' on every worker)."
+        )
+    return devices
+
+
+# -- the strategy ------------------------------------------------------------------------
+
+from . import _context, _nest  # noqa: E402  (the World above needs none of these)
+from ._arrays import leaf_text  # noqa: E402
+from ._backends import cpu_backend  # noqa: E402
+from ._cross_device_ops import ReductionToOneDevice, resolve_destinations  # noqa: E402
+from ._options import CommunicationOptions  # noqa: E402
+from ._scheduler import RunGroup  # noqa: E402
+from ._strategy import Strategy, StrategyExtended, _normalise_axis  # noqa: E402
+from ._values import DistributedValues  # noqa: E402
+
+DEFAULT_TIMEOUT_SECONDS = 300.0
+
+
+def _text(signature: Any) -> str:
+    describe = signature.describe
+    return describe() if callable(describe) else describe
+
+
+async def _reduce_leaves(
+    world: World, op: ReduceOp, leaves: list, what: str, timeout: float | None
+) -> list:
+    """Each worker's (locally combined) ``leaves`` reduced across workers, one MPI
+    call per dtype; MEAN divides by the global replica count."""
+    out: list = [None] * len(leaves)
+    groups: dict[np.dtype, list[int]] = {}
+    for index, leaf in enumerate(leaves):
+        groups.setdefault(leaf.dtype, []).append(index)
+    for members in groups.values():
+        if len(members) == 1:
+            buffer = np.ascontiguousarray(leaves[members[0]]).reshape(-1)
+        else:
+            buffer = np.concatenate([np.asarray(leaves[i]).reshape(-1) for i in members])
+        total = await world.all_reduce(op, buffer, what, timeout)
+        if op is ReduceOp.MEAN:
+            if total.dtype.kind in "fc":
+                total /= world.total
+            else:  # integers: a float mean, as on one worker
+                total = np.true_divide(total, world.total)
+        offset = 0
+        for i in members:
+            size = leaves[i].size
+            out[i] = total[offset : offset + size].reshape(leaves[i].shape)
+            offset += size
+    return out
+
+
+async def _gather_leaves(
+    world: World, leaves: list, headers: list, axis: int, what: str, timeout: float | None
+) -> list:
+    """Each worker's (locally gathered) ``leaves`` concatenated along ``axis`` in
+    worker order; the headers carry every worker's shapes."""
+    data = [np.ascontiguousarray(leaf).reshape(-1).view(np.uint8) for leaf in leaves]
+    mine = np.concatenate(data) if data else np.zeros(0, np.uint8)
+    items = [leaf.dtype.itemsize for leaf in leaves]
+    sizes = [
+        sum(int(np.prod(shape)) * item for shape, item in zip(h["shapes"], items, strict=True))
+        for h in headers
+    ]
+    blocks = await world.all_gather_bytes(mine, sizes, what, timeout)
+    out = []
+    offsets = [0] * world.size
+    for index, leaf in enumerate(leaves):
+        parts = []
+        for worker, header in enumerate(headers):
+            shape = tuple(header["shapes"][index])
+            count = int(np.prod(shape)) * items[index]
+            raw = blocks[worker][offsets[worker] : offsets[worker] + count]
+            offsets[worker] += count
+            parts.append(raw.view(leaf.dtype).reshape(shape))
+        out.append(np.concatenate(parts, axis=axis))
+    return out
+
+
+class _WorkerGroup(RunGroup):
+    """A run's local replicas; its collectives continue across workers."""
+
+    def _collective(self, number: int, signature: Any, payloads: list) -> Any:
+        task = asyncio.get_running_loop().create_task(
+            self._across_workers(number, signature, payloads)
+        )
+        self._aux.add(task)
+        task.add_done_callback(self._aux.discard)
+        return task
+
+    async def _across_workers(self, number: int, signature: Any, payloads: list) -> list:
+        strategy = self.strategy
+        world = strategy._world
+        first = payloads[0]
+        timeout = first.options.timeout_seconds
+        what = f"{_text(signature)}, call #{number}"
+        key = repr((signature.name, signature.key))
+        ops = strategy.extended._cross_device_ops
+        arrays = [payload.arrays for payload in payloads]
+        devices, options, streams = self.devices, first.options, self.streams
+        if signature.name == "all_reduce":
+            op = first.op
+            local_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
+            local = ops._all_reduce_flat(local_op, arrays, devices, options, streams)[0]
+            await world.agree(what, key, timeout)
+            leaves = await _reduce_leaves(world, op, list(local), what, timeout)
+        else:
+            local = ops._all_gather_flat(arrays, first.axis, devices, options, streams)[0]
+            shapes = [list(leaf.shape) for leaf in local]
+            headers = await world.agree(what, key, timeout, shapes=shapes)
+            leaves = await _gather_leaves(world, list(local), headers, first.axis, what, timeout)
+        out = [[cpu_backend.shared_view(leaf) for leaf in leaves] for _ in payloads]
+        if first.template is None:
+            return [replica[0] for replica in out]
+        return [_nest.pack_as(p.template, leaves) for p, leaves in zip(payloads, out, strict=True)]
+
+
+class _MultiWorkerExtended(StrategyExtended):
+    """``strategy.extended`` of a multi-worker strategy: reductions are global."""
+
+    async def reduce_to(
+        self, reduce_op: Any, value: Any, destinations: Any, options: Any = None
+    ) -> Any:
+        _context.require_cross_replica(self._strategy, "reduce_to")
+        op = ReduceOp.of(reduce_op)
+        devices = resolve_destinations(destinations)
+        total = await self._strategy._reduce_across(op, self._distributed(op, value), None, options)
+        return self._cross_device_ops._deliver(total, devices)
+
+    async def batch_reduce_to(
+        self, reduce_op: Any, value_destination_pairs: Sequence[tuple], options: Any = None
+    ) -> list:
+        return [
+            await self.reduce_to(reduce_op, value, destinations, options)
+            for value, destinations in value_destination_pairs
+        ]
+
+
+class MultiWorkerMirroredStrategy(Strategy):
+    """Synchronous data parallelism across processes (workers) started by MPI.
+
+    Start the same program in every process with ``mpiexec -n <workers> python
+    program.py``; each builds this strategy at the same point. Rank and size come
+    from MPI (``mpi4py``, installed by ``pip install 'aiodist[mpi]'``).
+
+    Args:
+        devices_per_worker: this worker's replica devices: ``None`` for the
+            default devices (``["cpu:0"]`` without GPUs), an int ``k`` for CPU
+            devices ``cpu:0`` … ``cpu:k-1``, or a list of device strings.
+            Workers may hold different numbers of replicas.
+        communication_options: defaults for every collective. Cross-worker
+            calls need a bound: when ``timeout_seconds`` is not given it is
+            300 s, so a dead worker is reported instead of waited for forever.
+
+    ``num_replicas_in_sync`` counts the replicas of every worker and replica ids
+    are global (worker 0's replicas first); ``experimental_local_results``
+    gives this worker's components. Runs on one strategy are serialised (see
+    the order rule in ``docs/multi-worker.md``).
+    """
+
+    _group_class = _WorkerGroup
+
+    def __init__(
+        self,
+        devices_per_worker: Any = None,
+        communication_options: CommunicationOptions | None = None,
+    ):
+        devices = local_devices(devices_per_worker)
+        if communication_options is None:
+            communication_options = CommunicationOptions(timeout_seconds=DEFAULT_TIMEOUT_SECONDS)
+        elif (
+            isinstance(communication_options, CommunicationOptions)
+            and communication_options.timeout_seconds is None
+        ):
+            communication_options = communication_options.merge(
+                CommunicationOptions(timeout_seconds=DEFAULT_TIMEOUT_SECONDS)
+            )
+        world = World(len(devices))
+        self._world = world
+        self._replica_offset = world.offsets[world.rank]
+        super().__init__(devices, ReductionToOneDevice(), communication_options)
+        self._extended = _MultiWorkerExtended(self, self._extended._cross_device_ops)
+        self._locks: dict[Any, asyncio.Lock] = {}
+
+    def __repr__(self) -> str:
+        devices = ", ".join(repr(str(d)) for d in self._devices)
+        return (
+            f"MultiWorkerMirroredStrategy(worker {self._world.rank} of {self._world.size}, "
+            f"devices=[{devices}], {self.num_replicas_in_sync} replicas in all)"
+        )
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Replicas on every worker together."""
+        return self._world.total
+
+    @property
+    def worker_index(self) -> int:
+        """This process's rank among the workers (0 is the chief)."""
+        return self._world.rank
+
+    @property
+    def num_workers(self) -> int:
+        return self._world.size
+
+    async def run(self, fn: Any, args: Any = (), kwargs: Any = None, options: Any = None) -> Any:
+        """``Strategy.run``, one run at a time per strategy (the order rule)."""
+        if _context.current_state().replica is not None:  # raises the usual error
+            return await super().run(fn, args, kwargs, options)
+        loop = asyncio.get_running_loop()
+        lock = self._locks.get(loop)
+        if lock is None:
+            self._locks = {loop: asyncio.Lock()}  # strategies outlive loops
+            lock = self._locks[loop]
+        async with lock:
+            return await super().run(fn, args, kwargs, options)
+
+    async def reduce(self, reduce_op: Any, value: Any, axis: Any = None) -> Any:
+        """``Strategy.reduce`` over every worker's replicas; a NumPy array on every worker."""
+        _context.require_cross_replica(self, "reduce")
+        op = ReduceOp.of(reduce_op)
+        if not isinstance(value, DistributedValues):
+            self.extended._distributed(op, value)
+        return await self._reduce_across(op, value, axis, None)
+
+    async def _reduce_across(self, op: ReduceOp, value: Any, axis: Any, options: Any) -> Any:
+        parts = await self._host_components(value)
+        timeout = self._communication_options.merge(options).timeout_seconds
+        count = len(parts)
+        if axis is not None:
+            axes = _normalise_axis(axis, parts)
+            count = sum(int(np.prod([p.shape[a] for a in axes])) for p in parts)
+            ufunc = np.add if op is ReduceOp.MEAN else getattr(np, op.ufunc)
+            parts = [np.asarray(ufunc.reduce(p, axis=axes)) for p in parts]
+        local_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
+        local = self.extended._cross_device_ops._reduce_arrays(
+            local_op, [np.asarray(p) for p in parts], self._devices[0]
+        )
+        what = f"strategy.reduce({op.name}, {leaf_text(local)})"
+        key = repr((op.name, local.dtype.str, local.shape))
+        headers = await self._world.agree(what, key, timeout, count=count)
+        send_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
+        total = await self._world.all_reduce(send_op, np.asarray(local), what, timeout)
+        if op is ReduceOp.MEAN:
+            return np.asarray(np.true_divide(total, sum(h["count"] for h in headers)))
+        return total.reshape(local.shape)
+
+    async def gather(self, value: Any, axis: int) -> Any:
+        """``Strategy.gather`` over every worker's replicas, in global replica order."""
+        local = await super().gather(value, axis)
+        timeout = self._communication_options.timeout_seconds
+        what = f"strategy.gather(axis={axis}, {leaf_text(local)})"
+        shape = list(local.shape)
+        shape[axis] = -1
+        headers = await self._world.agree(
+            what, repr((local.dtype.str, shape)), timeout, shapes=[list(local.shape)]
+        )
+        return (await _gather_leaves(self._world, [local], headers, axis, what, timeout))[0]

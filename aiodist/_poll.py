@@ -1,0 +1,31 @@
+"""Waiting for work outside Python (a GPU, MPI) from the event loop, without blocking it.
+
+``until(done)`` calls ``done()`` at once, then again after pauses that grow
+from 50 µs to 2 ms: a short wait costs little latency, a long one little CPU,
+and the loop serves other tasks in between. Nothing runs on another thread and
+no future is resolved from a foreign callback (CUDA host callbacks that resolve
+futures have deadlocked other libraries, numba-cuda#317).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+__all__ = ["until"]
+
+FIRST_PAUSE = 50e-6
+LONGEST_PAUSE = 2e-3
+
+
+async def until(done: Callable[[], bool], deadline: float | None = None) -> bool:
+    """Return True once ``done()`` is true, or False when ``time.monotonic()``
+    passes ``deadline`` first. Exceptions from ``done()`` propagate."""
+    pause = 0.0
+    while not done():
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(pause)
+        pause = min(max(pause * 2, FIRST_PAUSE), LONGEST_PAUSE)
+    return True
