@@ -10,8 +10,10 @@ and holds some replicas; replica ids are global (worker 0's first, then worker
    worker sends every other a small *header* (what it is calling, the shapes,
    its place in the order) with non-blocking point-to-point messages; when all
    headers are in and agree, the data goes through one non-blocking MPI
-   collective (``Iallreduce``, ``Iallgatherv``, ``Ibcast``). Requests are
-   polled from the event loop (``_poll``), never waited on with a blocking call;
+   collective (``Iallreduce``, ``Iallgatherv``, ``Ibcast``). Every MPI call is
+   made on one communication thread (``_Progress``), never on the loop's: with a
+   dead peer, MPI's progress engine can block forever, and the loop must still
+   report it when ``timeout_seconds`` expires;
 3. **locally** again: every replica receives the result.
 
 **The order rule.** MPI matches collectives by the order they are issued in, so
@@ -26,7 +28,11 @@ a deadlock: a worker calling something else at the same place is named
 (``CollectiveMismatchError``), a worker that never arrives — slow, stuck or
 dead — is named when ``timeout_seconds`` expires (``RendezvousTimeoutError``).
 After a timeout the cross-worker order is lost for good: every later
-cross-worker call raises at once, and the job must be restarted.
+cross-worker call raises at once, and when the program exits it ends the whole
+job with ``MPI_Abort`` (a clean ``MPI_Finalize`` would wait for the lost worker
+forever). Note that ``mpiexec`` itself ends the job at once when a worker
+*process dies*; the timeout is what reports a worker that hangs, stops
+responding, or calls something else.
 
 GPU replicas across workers (one NCCL communicator over every GPU of every
 worker) are not supported in this version; CPU replicas are.
@@ -35,10 +41,15 @@ worker) are not supported in this version; CPU replicas are.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import concurrent.futures
 import hashlib
 import json
+import queue
+import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -86,6 +97,65 @@ def _span(first: int, count: int) -> str:
     return f"replicas {first}-{first + count - 1}"
 
 
+class _Progress:
+    """The one thread that makes every MPI call after start-up.
+
+    MPI's non-blocking calls need someone to call ``Test`` until they complete,
+    and with a dead peer MPICH's progress engine can block inside ``Test``
+    forever. So no MPI call is ever made on the event loop's thread: work is
+    handed to this thread (``submit``), which posts the requests and tests them
+    with growing pauses, and the loop awaits a future with its own deadline. A
+    worker whose peer died therefore still raises a clear timeout error; only
+    this thread stays stuck (a daemon thread: it does not keep the process up).
+    """
+
+    def __init__(self) -> None:
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, name="aiodist-mpi", daemon=True)
+        self._thread.start()
+
+    def submit(self, start: Callable[[], list]) -> tuple[concurrent.futures.Future, list]:
+        """Run ``start()`` (which posts MPI requests and returns them) on the thread;
+        the future completes when every request has. ``marks[i]`` turns True as
+        request ``i`` completes (read it after a timeout to see which did)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        marks: list[bool] = []
+        self._work.put((start, future, marks))
+        return future, marks
+
+    def _main(self) -> None:
+        active: list = []
+        pause = 0.0
+        while True:
+            try:
+                item = self._work.get(block=not active)
+            except queue.Empty:
+                item = None
+            if item is not None:
+                start, future, marks = item
+                try:
+                    requests = start()
+                except BaseException as exc:  # e.g. an MPI error posting the requests
+                    future.set_exception(exc)
+                else:
+                    marks.extend([False] * len(requests))
+                    active.append((requests, future, marks))
+            progressed = False
+            for entry in list(active):
+                requests, future, marks = entry
+                for i, request in enumerate(requests):
+                    if not marks[i] and request.Test():
+                        marks[i] = progressed = True
+                if all(marks):
+                    active.remove(entry)
+                    future.set_result(None)
+            if progressed or item is not None:
+                pause = 0.0
+            elif active:
+                time.sleep(pause)
+                pause = min(max(pause * 2, _poll.FIRST_PAUSE), _poll.LONGEST_PAUSE)
+
+
 class World:
     """The workers of one job: rank, size, each worker's replicas, the order.
 
@@ -105,6 +175,7 @@ class World:
         self.total = sum(self.counts)
         self.order = 0  # cross-worker operations issued so far
         self.broken: RendezvousError | None = None
+        self._progress = _Progress()
 
     def who(self, worker: int) -> str:
         return f"worker {worker} ({_span(self.offsets[worker], self.counts[worker])})"
@@ -116,6 +187,31 @@ class World:
                 "order of operations is lost, so no further cross-worker call can be "
                 "matched. Stop every worker and restart the job."
             )
+
+    # -- waiting (on the loop, or on a synchronous caller's thread) --------------------
+
+    async def _wait(
+        self, future: concurrent.futures.Future, what: str, timeout: float | None
+    ) -> bool:
+        """Whether ``future`` completed within ``timeout``; re-raises its error."""
+        waiter = asyncio.wrap_future(future)
+        try:
+            done, _ = await asyncio.wait([waiter], timeout=timeout)
+        except asyncio.CancelledError:
+            self._lost(what, "was cancelled while waiting for the other workers")
+            raise
+        if done:
+            waiter.result()
+            return True
+        return False
+
+    @staticmethod
+    def _wait_now(future: concurrent.futures.Future, timeout: float | None) -> bool:
+        try:
+            future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            return False
+        return True
 
     # -- the header exchange -----------------------------------------------------------
 
@@ -133,13 +229,19 @@ class World:
             )
         send = np.zeros(_HEADER_BYTES, np.uint8)
         send[: len(data)] = np.frombuffer(data, np.uint8)
-        MPI, peers = self.MPI, [w for w in range(self.size) if w != self.rank]
+        MPI, comm = self.MPI, self.comm
+        peers = [w for w in range(self.size) if w != self.rank]
         received = {w: np.zeros(_HEADER_BYTES, np.uint8) for w in peers}
-        receives = {
-            w: self.comm.Irecv([received[w], MPI.BYTE], source=w, tag=_HEADER_TAG) for w in peers
-        }
-        sends = [self.comm.Isend([send, MPI.BYTE], dest=w, tag=_HEADER_TAG) for w in peers]
-        return mine, received, receives, sends, send
+
+        def start() -> list:  # receives first: marks[i] for i < len(peers) are theirs
+            receives = [
+                comm.Irecv([received[w], MPI.BYTE], source=w, tag=_HEADER_TAG) for w in peers
+            ]
+            sends = [comm.Isend([send, MPI.BYTE], dest=w, tag=_HEADER_TAG) for w in peers]
+            return [*receives, *sends]
+
+        future, marks = self._progress.submit(start)
+        return mine, peers, received, future, marks, send
 
     def _headers(self, mine: dict, received: dict) -> list[dict]:
         headers = {self.rank: mine}
@@ -161,79 +263,73 @@ class World:
             "calls count in the same sequence)."
         )
 
-    def _timed_out(self, what: str, timeout: float, missing: list[int], phase: str) -> None:
+    def _break(self, error: RendezvousError) -> RendezvousError:
+        """Record that the cross-worker order is lost; at exit, abort the job.
+
+        MPI cannot finish cleanly with a peer that died or stopped (``MPI_Finalize``
+        would wait for it forever), so the process ends the job with
+        ``MPI_Abort`` once the program is done reporting the error.
+        """
+        if self.broken is None:
+            atexit.register(self._abort)
+        self.broken = error
+        return error
+
+    def _abort(self) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.MPI.COMM_WORLD.Abort(1)
+
+    def _missing(self, what: str, timeout: float | None, peers: list, marks: list) -> None:
+        missing = [w for i, w in enumerate(peers) if not (marks and marks[i])]
         arrived = [w for w in range(self.size) if w not in missing]
-        self.broken = RendezvousTimeoutError(
-            f"{what}: timed out after {timeout:g} s {phase} "
-            f"{', '.join(self.who(w) for w in missing)}; "
-            f"{', '.join(self.who(w) for w in arrived) or 'no worker'} arrived. A worker "
-            "that died, is stuck, or called something else never arrives; raise "
-            "CommunicationOptions(timeout_seconds=...) if they are just slow."
+        raise self._break(
+            RendezvousTimeoutError(
+                f"{what}: timed out after {timeout:g} s waiting for "
+                f"{', '.join(self.who(w) for w in missing) or 'no worker'}; "
+                f"{', '.join(self.who(w) for w in arrived)} arrived. A worker that died, is "
+                "stuck, or is calling something else never arrives; raise "
+                "CommunicationOptions(timeout_seconds=...) if they are just slow."
+            )
         )
-        raise self.broken
+
+    def _stalled(self, what: str, timeout: float | None) -> None:
+        # Every worker had sent its header, so a worker that never completes the data
+        # step died or gave up (its own timeout) after that.
+        raise self._break(
+            RendezvousTimeoutError(
+                f"{what}: timed out after {timeout:g} s while the data moved between workers: "
+                "every worker had arrived, but one stopped since (it died, or timed out "
+                "waiting for this worker). Stop every worker and restart the job."
+            )
+        )
 
     async def agree(self, what: str, key: str, timeout: float | None, **extra: Any) -> list:
         """Every worker's header for the next cross-worker operation, once all agree."""
-        mine, received, receives, sends, _buffer = self._post_headers(what, key, extra)
-        arrived: set[int] = set()
-
-        def done() -> bool:
-            for worker, request in receives.items():
-                if worker not in arrived and request.Test():
-                    arrived.add(worker)
-            return len(arrived) == len(receives) and self.MPI.Request.Testall(sends)
-
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            finished = await _poll.until(done, deadline)
-        except asyncio.CancelledError:
-            self._lost(what, "was cancelled while waiting for the other workers")
-            raise
-        if not finished:
-            missing = [w for w in receives if w not in arrived]
-            for worker in missing:
-                receives[worker].Cancel()
-            self._timed_out(what, timeout or 0.0, missing, "waiting for")
+        mine, peers, received, future, marks, _send = self._post_headers(what, key, extra)
+        if not await self._wait(future, what, timeout):
+            self._missing(what, timeout, peers, marks)
         headers = self._headers(mine, received)
         self._check(headers, what)
         return headers
 
     def agree_now(self, what: str, key: str, timeout: float | None, **extra: Any) -> list:
         """``agree`` for synchronous code (creating a variable): the same exchange,
-        waited for on this thread with short sleeps."""
-        mine, received, receives, sends, _buffer = self._post_headers(what, key, extra)
-        requests = [*receives.values(), *sends]
-        if not self._wait_now(requests, timeout):
-            missing = [w for w, r in receives.items() if not r.Test()]
-            self._timed_out(what, timeout or 0.0, missing, "waiting for")
+        waited for on the caller's thread."""
+        mine, peers, received, future, marks, _send = self._post_headers(what, key, extra)
+        if not self._wait_now(future, timeout):
+            self._missing(what, timeout, peers, marks)
         headers = self._headers(mine, received)
         self._check(headers, what)
         return headers
 
-    def _wait_now(self, requests: list, timeout: float | None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pause = _poll.FIRST_PAUSE
-        while not self.MPI.Request.Testall(requests):
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(pause)
-            pause = min(pause * 2, _poll.LONGEST_PAUSE)
-        return True
-
     def _lost(self, what: str, how: str) -> None:
-        self.broken = RendezvousError(f"{what} {how}")
+        self._break(RendezvousError(f"{what} {how}"))
 
-    async def _complete(self, request: Any, what: str, timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            finished = await _poll.until(request.Test, deadline)
-        except asyncio.CancelledError:
-            self._lost(what, "was cancelled while its data was moving between workers")
-            raise
-        if not finished:
-            # Every worker sent its header, so a worker that never completes the data
-            # step died or stopped after that.
-            self._timed_out(what, timeout or 0.0, [], "moving data; a worker stopped after")
+    async def _data(self, start: Callable[[], Any], what: str, timeout: float | None) -> None:
+        future, _marks = self._progress.submit(lambda: [start()])
+        if not await self._wait(future, what, timeout):
+            self._stalled(what, timeout)
 
     # -- data ---------------------------------------------------------------------------
 
@@ -243,8 +339,8 @@ class World:
         """``buffer`` (this worker's contiguous share) reduced with ``op`` across workers."""
         send, restore = _travel(buffer, op, what)
         out = np.empty_like(send)
-        request = self.comm.Iallreduce(send, out, op=getattr(self.MPI, _MPI_OPS[op]))
-        await self._complete(request, what, timeout)
+        mpi_op = getattr(self.MPI, _MPI_OPS[op])
+        await self._data(lambda: self.comm.Iallreduce(send, out, op=mpi_op), what, timeout)
         return restore(out)
 
     async def all_gather_bytes(
@@ -253,20 +349,24 @@ class World:
         """Every worker's bytes (``sizes[w]`` from worker ``w``), in worker order."""
         out = np.empty(sum(sizes), np.uint8)
         offsets = [sum(sizes[:w]) for w in range(self.size)]
-        request = self.comm.Iallgatherv(
-            [data, self.MPI.BYTE], [out, list(sizes), offsets, self.MPI.BYTE]
+        BYTE = self.MPI.BYTE
+        await self._data(
+            lambda: self.comm.Iallgatherv([data, BYTE], [out, list(sizes), offsets, BYTE]),
+            what,
+            timeout,
         )
-        await self._complete(request, what, timeout)
         return [out[offsets[w] : offsets[w] + sizes[w]] for w in range(self.size)]
 
     def broadcast_now(self, array: np.ndarray, what: str, timeout: float | None) -> np.ndarray:
         """Worker 0's ``array`` on every worker (synchronous; shapes must agree)."""
-        key = f"broadcast {array.dtype.str}{array.shape}"
-        self.agree_now(what, key, timeout)
+        self.agree_now(what, f"broadcast {array.dtype.str}{array.shape}", timeout)
         buffer = np.ascontiguousarray(array).copy()
-        request = self.comm.Ibcast([buffer.reshape(-1).view(np.uint8), self.MPI.BYTE], root=0)
-        if not self._wait_now([request], timeout):
-            self._timed_out(what, timeout or 0.0, [], "moving data; a worker stopped after")
+        raw = buffer.reshape(-1).view(np.uint8)
+        future, _marks = self._progress.submit(
+            lambda: [self.comm.Ibcast([raw, self.MPI.BYTE], root=0)]
+        )
+        if not self._wait_now(future, timeout):
+            self._stalled(what, timeout)
         return buffer
 
 
