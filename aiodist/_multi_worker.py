@@ -68,6 +68,7 @@ from ._ops import ReduceOp
 __all__ = ["World", "import_mpi"]
 
 _HEADER_BYTES = 4096
+_ABORT_GRACE_SECONDS = 1.0
 _HEADER_TAG = 7001
 _MPI_OPS = {
     ReduceOp.SUM: "SUM",
@@ -278,6 +279,9 @@ class World:
     def _abort(self) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
+        # The other workers hit the same timeout at about the same time: give them
+        # a moment to report it themselves before the job ends.
+        time.sleep(_ABORT_GRACE_SECONDS)
         self.MPI.COMM_WORLD.Abort(1)
 
     def _missing(self, what: str, timeout: float | None, peers: list, marks: list) -> None:
@@ -360,7 +364,7 @@ class World:
     def broadcast_now(self, array: np.ndarray, what: str, timeout: float | None) -> np.ndarray:
         """Worker 0's ``array`` on every worker (synchronous; shapes must agree)."""
         self.agree_now(what, f"broadcast {array.dtype.str}{array.shape}", timeout)
-        buffer = np.ascontiguousarray(array).copy()
+        buffer = np.array(array, order="C", copy=True)
         raw = buffer.reshape(-1).view(np.uint8)
         future, _marks = self._progress.submit(
             lambda: [self.comm.Ibcast([raw, self.MPI.BYTE], root=0)]
@@ -377,7 +381,7 @@ def _travel(buffer: np.ndarray, op: ReduceOp, what: str) -> tuple:
     float32 and bool as uint8. Complex values have no order, so only SUM, MEAN
     and PRODUCT reduce them.
     """
-    buffer = np.ascontiguousarray(buffer)
+    buffer = np.array(buffer, order="C", copy=None)  # (ascontiguousarray makes 0-d 1-d)
     kind = buffer.dtype
     if kind == np.float16:
         return buffer.astype(np.float32), lambda out: out.astype(np.float16)
@@ -423,7 +427,7 @@ from ._cross_device_ops import ReductionToOneDevice, resolve_destinations  # noq
 from ._options import CommunicationOptions  # noqa: E402
 from ._scheduler import RunGroup  # noqa: E402
 from ._strategy import Strategy, StrategyExtended, _normalise_axis  # noqa: E402
-from ._values import DistributedValues  # noqa: E402
+from ._values import DistributedValues, PerReplica  # noqa: E402
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 
@@ -535,7 +539,7 @@ class _MultiWorkerExtended(StrategyExtended):
         _context.require_cross_replica(self._strategy, "reduce_to")
         op = ReduceOp.of(reduce_op)
         devices = resolve_destinations(destinations)
-        total = await self._strategy._reduce_across(op, self._distributed(op, value), None, options)
+        total = await self._strategy._reduce_across(op, value, None, options)
         return self._cross_device_ops._deliver(total, devices)
 
     async def batch_reduce_to(
@@ -629,13 +633,18 @@ class MultiWorkerMirroredStrategy(Strategy):
     async def reduce(self, reduce_op: Any, value: Any, axis: Any = None) -> Any:
         """``Strategy.reduce`` over every worker's replicas; a NumPy array on every worker."""
         _context.require_cross_replica(self, "reduce")
-        op = ReduceOp.of(reduce_op)
-        if not isinstance(value, DistributedValues):
-            self.extended._distributed(op, value)
-        return await self._reduce_across(op, value, axis, None)
+        return await self._reduce_across(ReduceOp.of(reduce_op), value, axis, None)
+
+    def _per_local_replica(self, value: Any) -> Any:
+        """``value`` as this worker's replicas' values: a value that is not
+        distributed is each local replica's (as when every replica passed the same
+        object), so with one local replica it is simply that replica's value."""
+        if isinstance(value, DistributedValues) or len(self._slots) == 1:
+            return value
+        return PerReplica([value] * len(self._slots), self._devices)
 
     async def _reduce_across(self, op: ReduceOp, value: Any, axis: Any, options: Any) -> Any:
-        parts = await self._host_components(value)
+        parts = await self._host_components(self._per_local_replica(value))
         timeout = self._communication_options.merge(options).timeout_seconds
         count = len(parts)
         if axis is not None:

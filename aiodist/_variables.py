@@ -38,7 +38,7 @@ from ._backends import backend_for, host_array, is_cupy_array
 from ._devices import Device
 from ._errors import ContextError, InvalidArgumentError
 from ._ops import ReduceOp
-from ._values import DistributedValues, Mirrored, PerReplica
+from ._values import DistributedValues, Mirrored
 
 __all__ = [
     "MirroredVariable",
@@ -302,7 +302,7 @@ class Variable:
         replica = _context.current_state().replica
         if replica is None or self._strategy is None or replica.strategy is not self._strategy:
             return None
-        return replica.replica_id_in_sync_group
+        return replica._replica_id  # this process's copy (global ids span workers)
 
     def read_value(self) -> Any:
         """The value in this context: the replica's copy, or (cross-replica) the
@@ -438,10 +438,7 @@ class MirroredVariable(Variable):
     async def _aggregate_across(self, per_replica: Any) -> Any:
         """The aggregate of every worker's replicas' values (multi-worker strategies)."""
         strategy = self._strategy
-        local = len(strategy._slots)
-        if not isinstance(per_replica, DistributedValues) and local > 1:
-            # One object for every local replica: it is each of their values.
-            per_replica = PerReplica([per_replica] * local, strategy._devices)
+        per_replica = strategy._per_local_replica(per_replica)
         if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             # Global replica 0 is worker 0's first: its value reaches every worker
             # as a sum in which every other worker adds zeros.

@@ -1,0 +1,189 @@
+"""Programs that tests/test_multi_worker.py starts under ``mpiexec``.
+
+``python tests/mpi_programs.py MODE [replicas per worker, comma-separated]``:
+every worker writes its result as JSON to ``$AIODIST_TEST_RESULTS/result-<rank>.json``.
+``compute`` is also run in one process on a ``MirroredStrategy`` with as many
+replicas, to compare.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import aiodist
+
+
+def _plain(value):
+    if isinstance(value, np.ndarray | np.generic):
+        return value.tolist()
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+async def compute(strategy: aiodist.Strategy) -> dict:
+    """TF-style examples whose numbers must not depend on how replicas are spread
+    over processes. Returns per-replica results keyed by global replica id, and
+    the cross-replica results."""
+
+    async def step():
+        ctx = aiodist.get_replica_context()
+        rid = ctx.replica_id_in_sync_group
+        # ReplicaContext.all_reduce's TF example: each replica holds 1.0.
+        ones = await ctx.all_reduce("sum", 1.0)
+        total = await ctx.all_reduce("sum", np.float64(rid + 1))
+        mean = await ctx.all_reduce("mean", [np.arange(3.0) * rid, np.int64(rid)])
+        largest = await ctx.all_reduce("max", np.array([rid, -rid]))
+        # all_gather's TF example shape, with uneven lengths along axis 0.
+        gathered = await ctx.all_gather(np.full((rid % 2 + 1, 2), rid), axis=0)
+
+        async def merge_fn(strategy, value):
+            return await strategy.reduce("sum", value, axis=None)
+
+        merged = await ctx.merge_call(merge_fn, args=(np.float64(rid),))
+        return rid, {
+            "ones": ones,
+            "total": total,
+            "mean": mean,
+            "max": largest,
+            "gathered": gathered,
+            "merged": merged,
+            "num_replicas": ctx.num_replicas_in_sync,
+        }
+
+    results = strategy.experimental_local_results(await strategy.run(step))
+    per_replica = {str(rid): _plain(values) for rid, values in results}
+
+    with strategy.scope():
+        ids = strategy.experimental_distribute_values_from_function(
+            lambda ctx: np.array([ctx.replica_id_in_sync_group, 1.0])
+        )
+        uneven = strategy.experimental_distribute_values_from_function(
+            lambda ctx: np.arange(ctx.replica_id_in_sync_group + 1.0)
+        )
+        cross = {
+            "reduce_sum": await strategy.reduce("sum", ids, axis=None),
+            "reduce_mean_axis": await strategy.reduce("mean", uneven, axis=0),
+            "reduce_max_axis": await strategy.reduce("max", uneven, axis=0),
+            "gather": await strategy.gather(uneven, axis=0),
+        }
+        weights = aiodist.Variable(np.zeros(2), aggregation="mean", name="weights")
+        counter = aiodist.Variable(np.zeros(()), aggregation="sum", name="counter")
+
+    async def update():
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        await weights.assign_add(np.array([rid, 1.0]))
+        await counter.assign_add(1.0)
+
+    await strategy.run(update)
+    await strategy.run(update)
+    cross["weights"] = weights.numpy()
+    cross["counter"] = counter.numpy()
+
+    # Global batches of 7 rows (uneven over the replicas): each replica's rows,
+    # gathered back, give every batch whole and in order.
+    batches = [np.arange(14.0).reshape(7, 2) + 100 * i for i in range(3)]
+    seen = []
+    async for batch in strategy.experimental_distribute_dataset(batches):
+
+        async def back(rows):
+            return await aiodist.get_replica_context().all_gather(rows, axis=0)
+
+        seen.append(strategy.experimental_local_results(await strategy.run(back, args=(batch,)))[0])
+    cross["batches"] = seen
+    return {"per_replica": per_replica, "cross": _plain(cross)}
+
+
+def _strategy(counts: list[int], timeout: float | None = None) -> aiodist.Strategy:
+    rank = int(os.environ.get("PMI_RANK", "0"))
+    options = None if timeout is None else aiodist.CommunicationOptions(timeout_seconds=timeout)
+    return aiodist.MultiWorkerMirroredStrategy(counts[rank], communication_options=options)
+
+
+def _report(strategy: aiodist.Strategy, value: object) -> None:
+    """Each worker writes its own file: lines printed by several workers through
+    mpiexec can interleave."""
+    folder = os.environ["AIODIST_TEST_RESULTS"]
+    path = os.path.join(folder, f"result-{strategy.worker_index}.json")
+    with open(path + ".tmp", "w") as out:
+        json.dump(value, out)
+    os.replace(path + ".tmp", path)
+
+
+async def _failing(mode: str, strategy: aiodist.Strategy) -> None:
+    started = time.monotonic()
+
+    async def step():
+        ctx = aiodist.get_replica_context()
+        await ctx.all_reduce("sum", 1.0)
+        if strategy.worker_index == 1:
+            if mode == "mismatch":
+                return await ctx.all_reduce("max", 1.0)
+            if mode == "stop":  # alive but unresponsive: a hung or frozen worker
+                os.kill(os.getpid(), signal.SIGSTOP)
+            if mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+        return await ctx.all_reduce("sum", 1.0)
+
+    try:
+        await strategy.run(step)
+    except aiodist.AiodistError as exc:
+        _report(
+            strategy,
+            {"error": type(exc).__name__, "message": str(exc), "after": time.monotonic() - started},
+        )
+    else:
+        _report(strategy, {"error": None})
+
+
+async def _inputs(strategy: aiodist.Strategy) -> dict:
+    contexts = []
+
+    def dataset_fn(context):
+        contexts.append(
+            [context.num_input_pipelines, context.input_pipeline_id, context.num_replicas_in_sync]
+        )
+        return [np.full((2,), context.input_pipeline_id)]
+
+    strategy.distribute_datasets_from_function(dataset_fn)
+    per_replica = aiodist.InputOptions(
+        experimental_replication_mode=aiodist.InputReplicationMode.PER_REPLICA
+    )
+    strategy.distribute_datasets_from_function(dataset_fn, per_replica)
+    return {"contexts": contexts}
+
+
+async def _concurrent(strategy: aiodist.Strategy) -> list:
+    async def step(k):
+        ctx = aiodist.get_replica_context()
+        first = await ctx.all_reduce("sum", float(k))
+        await asyncio.sleep(0.001 * k)
+        return await ctx.all_reduce("sum", first)
+
+    results = await asyncio.gather(*(strategy.run(step, args=(k,)) for k in range(4)))
+    return [strategy.experimental_local_results(r)[0].tolist() for r in results]
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    counts = [int(c) for c in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1] * 8
+    if mode in ("mismatch", "stop", "kill"):
+        strategy = _strategy(counts, timeout=1.5)
+        aiodist.run(_failing(mode, strategy))
+        return
+    strategy = _strategy(counts)
+    work = {"compute": compute, "inputs": _inputs, "concurrent": _concurrent}[mode]
+    _report(strategy, aiodist.run(work(strategy)))
+
+
+if __name__ == "__main__":
+    main()

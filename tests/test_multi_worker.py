@@ -1,0 +1,185 @@
+"""MultiWorkerMirroredStrategy: real worker processes started with ``mpiexec``.
+
+Each test runs ``tests/mpi_programs.py`` under MPICH's ``mpiexec`` (installed
+with the test extra: mpi4py and the ``mpich`` wheel) and reads the result file
+each worker writes. Every run is bounded in time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import aiodist
+
+ROOT = Path(__file__).resolve().parent.parent
+PROGRAM = ROOT / "tests" / "mpi_programs.py"
+
+
+def _mpiexec() -> str | None:
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+pytestmark = pytest.mark.skipif(
+    sys.platform != "linux" or _mpiexec() is None,
+    reason="needs mpiexec and mpi4py (pip install '.[test]' installs MPICH's on Linux)",
+)
+
+
+def _launch(workers: int, *args: str, timeout: float = 60) -> tuple:
+    """Run ``mpiexec -n workers`` on the program; (rc, {rank: result}, output, seconds)."""
+    command = [_mpiexec(), "-n", str(workers), sys.executable, *args]
+    with tempfile.TemporaryDirectory() as folder:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "AIODIST_TEST_RESULTS": folder}
+        started = time.monotonic()
+        done = subprocess.run(
+            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        )
+        seconds = time.monotonic() - started
+        results = {
+            int(path.stem.split("-")[1]): json.loads(path.read_text())
+            for path in Path(folder).glob("result-*.json")
+        }
+    return done.returncode, results, done.stdout + done.stderr, seconds
+
+
+def _program(workers: int, mode: str, counts: list[int], **kwargs) -> tuple:
+    return _launch(workers, str(PROGRAM), mode, ",".join(map(str, counts)), **kwargs)
+
+
+def _one_process(total: int) -> dict:
+    from tests.mpi_programs import compute
+
+    strategy = aiodist.MirroredStrategy([f"cpu:{i}" for i in range(total)])
+    return json.loads(json.dumps(aiodist.run(compute(strategy))))
+
+
+@pytest.mark.parametrize("counts", [[1, 1], [2, 2], [1, 2, 1]], ids=["2x1", "2x2", "3-uneven"])
+def test_results_equal_one_process_with_as_many_replicas(counts):
+    rc, results, output, _ = _program(len(counts), "compute", counts)
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == list(range(len(counts)))
+    expected = _one_process(sum(counts))
+    per_replica = {}
+    for rank, result in results.items():
+        per_replica.update(result["per_replica"])
+        assert _close(result["cross"], expected["cross"]), (rank, result, expected["cross"])
+    # Global replica ids: each worker holds its own, together all of them.
+    assert sorted(per_replica, key=int) == [str(i) for i in range(sum(counts))]
+    assert _close(per_replica, expected["per_replica"])
+
+
+def _close(got, want) -> bool:
+    """Equal structures with numbers equal to 1e-12 (summation order differs)."""
+    if isinstance(want, dict):
+        return (
+            isinstance(got, dict)
+            and got.keys() == want.keys()
+            and all(_close(got[k], want[k]) for k in want)
+        )
+    if isinstance(want, list):
+        return (
+            isinstance(got, list)
+            and len(got) == len(want)
+            and all(_close(g, w) for g, w in zip(got, want, strict=True))
+        )
+    if isinstance(want, float | int):
+        return isinstance(got, float | int) and abs(got - want) <= 1e-12 * max(1, abs(want))
+    return got == want
+
+
+def test_a_mismatch_between_workers_is_named_on_every_worker():
+    _, results, output, _ = _program(3, "mismatch", [1, 1, 1])
+    assert sorted(results) == [0, 1, 2], output[-3000:]
+    for result in results.values():
+        assert result["error"] == "CollectiveMismatchError"
+        message = result["message"]
+        assert "worker 1 (replica 1): all_reduce(MAX, float64[])" in message
+        assert "worker 0 (replica 0): all_reduce(SUM, float64[])" in message
+        assert "call #1" in message
+
+
+def test_an_unresponsive_worker_makes_the_others_fail_within_the_timeout():
+    """Worker 1 stops (SIGSTOP: alive, never answering); the others report it
+    within the 1.5 s timeout, naming it, and the job then ends (MPI_Abort)."""
+    rc, results, output, seconds = _program(3, "stop", [1, 2, 1], timeout=60)
+    assert sorted(results) == [0, 2], output[-3000:]
+    for rank in (0, 2):
+        result = results[rank]
+        assert result["error"] == "RendezvousTimeoutError"
+        assert "waiting for worker 1 (replicas 1-2)" in result["message"]
+        assert 1.4 <= result["after"] < 5.0
+    assert rc != 0 and seconds < 30
+
+
+def test_a_killed_worker_ends_the_job_instead_of_hanging():
+    """mpiexec ends every worker as soon as one dies (SIGKILL mid-run)."""
+    rc, results, output, seconds = _program(3, "kill", [1, 1, 1], timeout=60)
+    assert rc != 0
+    assert seconds < 30, output[-3000:]
+    assert 1 not in results
+
+
+def test_input_contexts_name_workers_and_global_replicas():
+    rc, results, output, _ = _program(2, "inputs", [2, 1])
+    assert rc == 0, output[-3000:]
+    # PER_WORKER: one pipeline per worker; PER_REPLICA: one per global replica.
+    assert results[0]["contexts"] == [[2, 0, 3], [3, 0, 3], [3, 1, 3]]
+    assert results[1]["contexts"] == [[2, 1, 3], [3, 2, 3]]
+
+
+def test_concurrent_runs_are_serialised_and_all_correct():
+    rc, results, output, _ = _program(2, "concurrent", [2, 2])
+    assert rc == 0, output[-3000:]
+    for result in results.values():
+        assert result == [4.0 * 4 * k for k in range(4)]
+
+
+def test_the_demo_gives_the_weights_of_one_process():
+    args = ["-m", "aiodist", "--devices", "cpu:0,cpu:1", "--steps", "20"]
+    rc, _, output, _ = _launch(2, *args)
+    assert rc == 0, output[-3000:]
+    alone = subprocess.run(
+        [sys.executable, "-m", "aiodist", "--devices", "cpu:0,cpu:1,cpu:2,cpu:3", "--steps", "20"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert alone.returncode == 0, alone.stderr
+
+    def weights(text: str) -> np.ndarray:
+        lines = [line for line in text.splitlines() if line.startswith("final weights:")]
+        assert len(lines) == 1, text[-2000:]  # only worker 0 prints
+        return np.array(lines[0].split(":")[1].split(), dtype=float)
+
+    np.testing.assert_allclose(weights(output), weights(alone.stdout), rtol=0, atol=1e-12)
+    assert "2 workers, 4 replicas in all" in output
+
+
+def test_import_never_imports_mpi4py():
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys, aiodist; print('mpi4py' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout.split() == ["False"]
+
+
+def test_gpu_devices_across_workers_are_refused_clearly():
+    rc, _, output, _ = _launch(
+        1, "-c", "import aiodist; aiodist.MultiWorkerMirroredStrategy(['GPU:0'])"
+    )
+    assert rc != 0
+    assert "GPU" in output and ("not supported" in output or "CuPy" in output)
