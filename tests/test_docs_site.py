@@ -22,7 +22,9 @@ def test_site_builds_strictly(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-4000:]
     api = (tmp_path / "api" / "index.html").read_text()
-    for name in ("MirroredStrategy", "ReplicaContext", "assert_same_on_replicas", "Batcher"):
+    names = ("MirroredStrategy", "MultiWorkerMirroredStrategy", "NcclAllReduce", "ready")
+    for name in (*names, "ReplicaContext", "assert_same_on_replicas", "Batcher"):
         assert name in api
-    for page in ("concepts", "design", "from-tensorflow", "errors", "gpu", "serving", "testing"):
+    pages = ("concepts", "design", "from-tensorflow", "errors", "gpu", "multi-worker", "serving")
+    for page in (*pages, "testing"):
         assert (tmp_path / page / "index.html").exists()
