@@ -75,6 +75,10 @@ async def compute(strategy: aiodist.Strategy) -> dict:
             "reduce_mean_axis": await strategy.reduce("mean", uneven, axis=0),
             "reduce_max_axis": await strategy.reduce("max", uneven, axis=0),
             "gather": await strategy.gather(uneven, axis=0),
+            "reduce_to": await strategy.extended.reduce_to("sum", ids, "cpu:0"),
+            "batch_reduce_to": await strategy.extended.batch_reduce_to(
+                "mean", [(ids, "cpu:0"), (ids, "cpu:0")]
+            ),
         }
         weights = aiodist.Variable(np.zeros(2), aggregation="mean", name="weights")
         counter = aiodist.Variable(np.zeros(()), aggregation="sum", name="counter")
