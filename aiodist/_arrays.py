@@ -13,7 +13,14 @@ from . import _nest
 from ._errors import InvalidArgumentError
 from ._ops import ReduceOp
 
-__all__ = ["as_axis", "check_reducible", "gather_axis", "leaf_text", "structure_text"]
+__all__ = [
+    "as_axis",
+    "check_reducible",
+    "gather_axis",
+    "leaf_text",
+    "mean_of_sum",
+    "structure_text",
+]
 
 # dtype kinds that can be reduced: signed/unsigned ints, floats, complex; bool for MIN/MAX.
 _NUMERIC_KINDS = frozenset("iufc")
@@ -51,6 +58,15 @@ def check_reducible(op: ReduceOp, array: Any, where: str) -> None:
         "numeric arrays or scalars (integers, floats, complex; bool only with MIN/MAX). "
         "Convert the value first, e.g. x.astype(np.int32)."
     )
+
+
+def mean_of_sum(xp: Any, total: Any, count: int) -> Any:
+    """``total / count`` as MEAN gives it: in place for floats, a new float array
+    for integers (as NumPy and TensorFlow do). ``xp`` is NumPy or CuPy."""
+    if total.dtype.kind in "fc":
+        total /= count
+        return total
+    return xp.asarray(xp.true_divide(total, count))
 
 
 def as_axis(axis: Any, where: str) -> int:

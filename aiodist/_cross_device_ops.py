@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from . import _context
-from ._arrays import check_reducible, gather_axis, leaf_text
+from ._arrays import check_reducible, gather_axis, leaf_text, mean_of_sum
 from ._backends import backend_for, cpu_backend, is_cupy_array
 from ._devices import Device, parse_device
 from ._errors import InvalidArgumentError
@@ -374,10 +374,7 @@ class ReductionToOneDevice(CrossDeviceOps):
                 total = _combine_on_device(xp, op, values)
         if op.divides_by_count:
             with backend.on_device(target):
-                if total.dtype.kind in "fc":
-                    total /= len(values)
-                else:  # integers: a float mean, as TensorFlow and NumPy give
-                    total = xp.asarray(xp.true_divide(total, len(values)))
+                total = mean_of_sum(xp, total, len(values))
         return total
 
 

@@ -50,7 +50,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -154,7 +154,20 @@ class _Progress:
                 pause = 0.0
             elif active:
                 time.sleep(pause)
-                pause = min(max(pause * 2, _poll.FIRST_PAUSE), _poll.LONGEST_PAUSE)
+                pause = _poll.next_pause(pause)
+
+
+class _Posted(NamedTuple):
+    """One header exchange in flight: this worker's header, the peers' buffers, the
+    future and per-request marks from ``_Progress``, and the send buffer (kept
+    alive until the sends complete)."""
+
+    mine: dict
+    peers: list
+    received: dict
+    future: concurrent.futures.Future
+    marks: list
+    send: np.ndarray
 
 
 class World:
@@ -216,7 +229,7 @@ class World:
 
     # -- the header exchange -----------------------------------------------------------
 
-    def _post_headers(self, what: str, key: str, extra: dict) -> tuple:
+    def _post_headers(self, what: str, key: str, extra: dict) -> _Posted:
         self._usable()
         self.order += 1
         if len(key) > 512:  # long structures: their digest is what must agree
@@ -242,7 +255,7 @@ class World:
             return [*receives, *sends]
 
         future, marks = self._progress.submit(start)
-        return mine, peers, received, future, marks, send
+        return _Posted(mine, peers, received, future, marks, send)
 
     def _headers(self, mine: dict, received: dict) -> list[dict]:
         headers = {self.rank: mine}
@@ -310,20 +323,21 @@ class World:
 
     async def agree(self, what: str, key: str, timeout: float | None, **extra: Any) -> list:
         """Every worker's header for the next cross-worker operation, once all agree."""
-        mine, peers, received, future, marks, _send = self._post_headers(what, key, extra)
-        if not await self._wait(future, what, timeout):
-            self._missing(what, timeout, peers, marks)
-        headers = self._headers(mine, received)
-        self._check(headers, what)
-        return headers
+        posted = self._post_headers(what, key, extra)
+        arrived = await self._wait(posted.future, what, timeout)
+        return self._agreed(posted, arrived, what, timeout)
 
     def agree_now(self, what: str, key: str, timeout: float | None, **extra: Any) -> list:
         """``agree`` for synchronous code (creating a variable): the same exchange,
         waited for on the caller's thread."""
-        mine, peers, received, future, marks, _send = self._post_headers(what, key, extra)
-        if not self._wait_now(future, timeout):
-            self._missing(what, timeout, peers, marks)
-        headers = self._headers(mine, received)
+        posted = self._post_headers(what, key, extra)
+        return self._agreed(posted, self._wait_now(posted.future, timeout), what, timeout)
+
+    def _agreed(self, posted: _Posted, arrived: bool, what: str, timeout: float | None) -> list:
+        """Every worker's header, after checking they all came and agree."""
+        if not arrived:
+            self._missing(what, timeout, posted.peers, posted.marks)
+        headers = self._headers(posted.mine, posted.received)
         self._check(headers, what)
         return headers
 
@@ -421,9 +435,13 @@ def local_devices(devices_per_worker: Any) -> tuple[Device, ...]:
 # -- the strategy ------------------------------------------------------------------------
 
 from . import _context, _nest  # noqa: E402  (the World above needs none of these)
-from ._arrays import leaf_text  # noqa: E402
+from ._arrays import leaf_text, mean_of_sum  # noqa: E402
 from ._backends import cpu_backend  # noqa: E402
-from ._cross_device_ops import ReductionToOneDevice, resolve_destinations  # noqa: E402
+from ._cross_device_ops import (  # noqa: E402
+    ReductionToOneDevice,
+    _pack_indices,
+    resolve_destinations,
+)
 from ._options import CommunicationOptions  # noqa: E402
 from ._scheduler import RunGroup  # noqa: E402
 from ._strategy import Strategy, StrategyExtended, _normalise_axis  # noqa: E402
@@ -432,31 +450,20 @@ from ._values import DistributedValues, PerReplica  # noqa: E402
 DEFAULT_TIMEOUT_SECONDS = 300.0
 
 
-def _text(signature: Any) -> str:
-    describe = signature.describe
-    return describe() if callable(describe) else describe
-
-
 async def _reduce_leaves(
     world: World, op: ReduceOp, leaves: list, what: str, timeout: float | None
 ) -> list:
     """Each worker's (locally combined) ``leaves`` reduced across workers, one MPI
     call per dtype; MEAN divides by the global replica count."""
     out: list = [None] * len(leaves)
-    groups: dict[np.dtype, list[int]] = {}
-    for index, leaf in enumerate(leaves):
-        groups.setdefault(leaf.dtype, []).append(index)
-    for members in groups.values():
+    for members in _pack_indices(leaves, 0):  # one pack per dtype
         if len(members) == 1:
             buffer = np.ascontiguousarray(leaves[members[0]]).reshape(-1)
         else:
             buffer = np.concatenate([np.asarray(leaves[i]).reshape(-1) for i in members])
         total = await world.all_reduce(op, buffer, what, timeout)
         if op is ReduceOp.MEAN:
-            if total.dtype.kind in "fc":
-                total /= world.total
-            else:  # integers: a float mean, as on one worker
-                total = np.true_divide(total, world.total)
+            total = mean_of_sum(np, total, world.total)
         offset = 0
         for i in members:
             size = leaves[i].size
@@ -508,7 +515,7 @@ class _WorkerGroup(RunGroup):
         world = strategy._world
         first = payloads[0]
         timeout = first.options.timeout_seconds
-        what = f"{_text(signature)}, call #{number}"
+        what = f"{signature.text}, call #{number}"
         key = repr((signature.name, signature.key))
         ops = strategy.extended._cross_device_ops
         arrays = [payload.arrays for payload in payloads]
@@ -545,10 +552,17 @@ class _MultiWorkerExtended(StrategyExtended):
     async def batch_reduce_to(
         self, reduce_op: Any, value_destination_pairs: Sequence[tuple], options: Any = None
     ) -> list:
+        _context.require_cross_replica(self._strategy, "batch_reduce_to")
+        op = ReduceOp.of(reduce_op)
         return [
-            await self.reduce_to(reduce_op, value, destinations, options)
-            for value, destinations in value_destination_pairs
+            await self.reduce_to(op, value, destinations, options)
+            for value, destinations in self._pairs(op, value_destination_pairs)
         ]
+
+    def _distributed(self, op: ReduceOp, value: Any) -> Any:
+        """Across workers a value that is not distributed is each local replica's
+        (``_per_local_replica``), so no reduction is ambiguous."""
+        return value
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -581,19 +595,14 @@ class MultiWorkerMirroredStrategy(Strategy):
         communication_options: CommunicationOptions | None = None,
     ):
         devices = local_devices(devices_per_worker)
-        if communication_options is None:
-            communication_options = CommunicationOptions(timeout_seconds=DEFAULT_TIMEOUT_SECONDS)
-        elif (
-            isinstance(communication_options, CommunicationOptions)
-            and communication_options.timeout_seconds is None
-        ):
-            communication_options = communication_options.merge(
-                CommunicationOptions(timeout_seconds=DEFAULT_TIMEOUT_SECONDS)
-            )
+        options = communication_options or CommunicationOptions()
+        if isinstance(options, CommunicationOptions) and options.timeout_seconds is None:
+            # Cross-worker calls always have a bound (a dead worker is reported).
+            options = options.merge(CommunicationOptions(timeout_seconds=DEFAULT_TIMEOUT_SECONDS))
         world = World(len(devices))
         self._world = world
         self._replica_offset = world.offsets[world.rank]
-        super().__init__(devices, ReductionToOneDevice(), communication_options)
+        super().__init__(devices, ReductionToOneDevice(), options)
         self._extended = _MultiWorkerExtended(self, self._extended._cross_device_ops)
         self._locks: dict[Any, asyncio.Lock] = {}
 
@@ -662,8 +671,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         send_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
         total = await self._world.all_reduce(send_op, np.asarray(local), what, timeout)
         if op is ReduceOp.MEAN:
-            return np.asarray(np.true_divide(total, sum(h["count"] for h in headers)))
-        return total.reshape(local.shape)
+            return mean_of_sum(np, total, sum(h["count"] for h in headers))
+        return total
 
     async def gather(self, value: Any, axis: int) -> Any:
         """``Strategy.gather`` over every worker's replicas, in global replica order."""

@@ -13,10 +13,15 @@ import asyncio
 import time
 from collections.abc import Callable
 
-__all__ = ["until"]
+__all__ = ["next_pause", "until"]
 
 FIRST_PAUSE = 50e-6
 LONGEST_PAUSE = 2e-3
+
+
+def next_pause(pause: float) -> float:
+    """The pause after one of ``pause`` seconds: 0, 50 µs, 100 µs, ... 2 ms."""
+    return min(max(pause * 2, FIRST_PAUSE), LONGEST_PAUSE)
 
 
 async def until(done: Callable[[], bool], deadline: float | None = None) -> bool:
@@ -27,5 +32,5 @@ async def until(done: Callable[[], bool], deadline: float | None = None) -> bool
         if deadline is not None and time.monotonic() >= deadline:
             return False
         await asyncio.sleep(pause)
-        pause = min(max(pause * 2, FIRST_PAUSE), LONGEST_PAUSE)
+        pause = next_pause(pause)
     return True

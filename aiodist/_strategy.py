@@ -166,15 +166,7 @@ class StrategyExtended:
         _context.require_cross_replica(self._strategy, "batch_reduce_to")
         op = ReduceOp.of(reduce_op)
         options = self._strategy._communication_options.merge(options)
-        try:
-            pairs = [(self._distributed(op, v), d) for v, d in value_destination_pairs]
-        except (TypeError, ValueError) as exc:
-            if isinstance(exc, InvalidArgumentError):
-                raise
-            raise InvalidArgumentError(
-                f"batch_reduce_to: value_destination_pairs={value_destination_pairs!r}; "
-                "expected a list of (value, destinations) pairs."
-            ) from None
+        pairs = self._pairs(op, value_destination_pairs)
         ordered = self._strategy._order_before_cross_replica()
         try:
             return await self._cross_device_ops.batch_reduce(op, pairs, options)
@@ -211,6 +203,18 @@ class StrategyExtended:
     ) -> Any:
         """Run ``fn`` once per replica: the same as ``strategy.run``."""
         return await self._strategy.run(fn, args=args, kwargs=kwargs)
+
+    def _pairs(self, op: ReduceOp, value_destination_pairs: Any) -> list:
+        """``batch_reduce_to``'s pairs, checked, each value through ``_distributed``."""
+        try:
+            return [(self._distributed(op, v), d) for v, d in value_destination_pairs]
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, InvalidArgumentError):
+                raise
+            raise InvalidArgumentError(
+                f"batch_reduce_to: value_destination_pairs={value_destination_pairs!r}; "
+                "expected a list of (value, destinations) pairs."
+            ) from None
 
     def _distributed(self, op: ReduceOp, value: Any) -> Any:
         """TF's rule for a value that is not distributed: with several replicas it is
