@@ -434,7 +434,7 @@ def local_devices(devices_per_worker: Any) -> tuple[Device, ...]:
 
 # -- the strategy ------------------------------------------------------------------------
 
-from . import _context, _nest  # noqa: E402  (the World above needs none of these)
+from . import _context  # noqa: E402  (the World above needs none of these)
 from ._arrays import leaf_text, mean_of_sum  # noqa: E402
 from ._backends import cpu_backend  # noqa: E402
 from ._cross_device_ops import (  # noqa: E402
@@ -503,12 +503,7 @@ class _WorkerGroup(RunGroup):
     """A run's local replicas; its collectives continue across workers."""
 
     def _collective(self, number: int, signature: Any, payloads: list) -> Any:
-        task = asyncio.get_running_loop().create_task(
-            self._across_workers(number, signature, payloads)
-        )
-        self._aux.add(task)
-        task.add_done_callback(self._aux.discard)
-        return task
+        return self._spawn(self._across_workers(number, signature, payloads))
 
     async def _across_workers(self, number: int, signature: Any, payloads: list) -> list:
         strategy = self.strategy
@@ -532,9 +527,7 @@ class _WorkerGroup(RunGroup):
             headers = await world.agree(what, key, timeout, shapes=shapes)
             leaves = await _gather_leaves(world, list(local), headers, first.axis, what, timeout)
         out = [[cpu_backend.shared_view(leaf) for leaf in leaves] for _ in payloads]
-        if first.template is None:
-            return [replica[0] for replica in out]
-        return [_nest.pack_as(p.template, leaves) for p, leaves in zip(payloads, out, strict=True)]
+        return self._per_replica(payloads, out)
 
 
 class _MultiWorkerExtended(StrategyExtended):

@@ -426,9 +426,22 @@ class RunGroup:
             out = ops._all_reduce_flat(first.op, arrays, devices, options, streams)
         else:
             out = ops._all_gather_flat(arrays, first.axis, devices, options, streams)
-        if first.template is None:  # one array each (signatures matched)
+        return self._per_replica(payloads, out)
+
+    @staticmethod
+    def _per_replica(payloads: list, out: list[list]) -> list:
+        """Each replica's result: its leaves ``out[r]`` in the structure it passed."""
+        if payloads[0].template is None:  # one array each (signatures matched)
             return [leaves[0] for leaves in out]
         return [_nest.pack_as(p.template, leaves) for p, leaves in zip(payloads, out, strict=True)]
+
+    def _spawn(self, coro: Any, context: contextvars.Context | None = None) -> asyncio.Task:
+        """A task doing cross-replica work for this run: cancelled with the run's
+        replicas and waited for by ``_drain``."""
+        task = get_running_loop().create_task(coro, context=context)
+        self._aux.add(task)
+        task.add_done_callback(self._aux.discard)
+        return task
 
     def _merge(self, number: int, payloads: list[MergePayload], backend: Any, order: object) -> Any:
         """Run ``merge_fn`` once. ``backend`` and ``order`` are set on devices with
@@ -468,8 +481,7 @@ class RunGroup:
             # still referenced (their memory is not reused before the replicas wait).
             coro = _then(coro, issued)
         loop = get_running_loop()
-        task = loop.create_task(coro, context=context)
-        self._aux.add(task)
+        task = self._spawn(coro, context)
         outcome = loop.create_future()
         # Every replica has arrived, so the rendezvous' own timeout no longer runs:
         # timeout_seconds bounds the merge_fn itself.
@@ -479,7 +491,6 @@ class RunGroup:
             expiry = loop.call_later(timeout, task.cancel)
 
         def finished(task: asyncio.Task) -> None:
-            self._aux.discard(task)
             issued()
             if expiry is not None:
                 expiry.cancel()
