@@ -27,8 +27,9 @@ order after any cross-replica work still reading it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import cupy
@@ -139,6 +140,15 @@ class GpuBackend:
         previous_stream = cupy.cuda.get_current_stream(index)
         stream.use()
         return previous_device, index, previous_stream
+
+    @contextlib.contextmanager
+    def on_stream(self, device: Device, stream: Any) -> Iterator[None]:
+        """``activate``/``deactivate`` around one synchronous stretch of work."""
+        token = self.activate(device, stream)
+        try:
+            yield
+        finally:
+            self.deactivate(token)
 
     def deactivate(self, token: tuple) -> None:
         previous_device, index, previous_stream = token
@@ -465,8 +475,7 @@ def all_reduce(
         datatype = getattr(nccl, _NCCL_NAMES[travel.name])
         sends, buffers = [], []
         for rank in range(n):
-            token = backend.activate(devices[rank], streams[rank])
-            try:
+            with backend.on_stream(devices[rank], streams[rank]):
                 flats = [_as_travel(per_replica[rank][i], travel) for i in members]
                 if len(flats) > 1:  # packed into a fresh buffer, reduced in place
                     send = buffer = cupy.concatenate(flats)
@@ -474,8 +483,6 @@ def all_reduce(
                     send, buffer = flats[0], cupy.empty_like(flats[0])
                 sends.append(send)
                 buffers.append(buffer)
-            finally:
-                backend.deactivate(token)
         sizes = [_travel_size(first[i], travel) for i in members]
         step = travel.itemsize
         for lo, hi in _pack_spans(sizes, num_packs, bytes_per_pack, step):
@@ -493,12 +500,9 @@ def all_reduce(
             finally:
                 nccl.groupEnd()
         for rank in range(n):
-            token = backend.activate(devices[rank], streams[rank])
-            try:
+            with backend.on_stream(devices[rank], streams[rank]):
                 leaves = [first[i] for i in members]
                 _unpack(op, n, buffers[rank], leaves, travel, members, out[rank])
-            finally:
-                backend.deactivate(token)
     return out
 
 
@@ -557,8 +561,7 @@ def all_gather(
         shape[axis] = longest
         sends, receives = [], []
         for rank in range(n):
-            token = backend.activate(devices[rank], streams[rank])
-            try:
+            with backend.on_stream(devices[rank], streams[rank]):
                 leaf = leaves[rank]
                 if lengths[rank] != longest:
                     padded = cupy.zeros(shape, leaf.dtype)
@@ -568,17 +571,12 @@ def all_gather(
                     leaf = padded
                 sends.append(cupy.ascontiguousarray(leaf))
                 receives.append(cupy.empty((n, *shape), leaf.dtype))
-            finally:
-                backend.deactivate(token)
         nbytes = sends[0].nbytes
         if nbytes:  # (nothing to move for empty values: NCCL rejects null buffers)
             _all_gather_call(nccl, comms, sends, receives, nbytes, streams)
         for rank in range(n):
-            token = backend.activate(devices[rank], streams[rank])
-            try:
+            with backend.on_stream(devices[rank], streams[rank]):
                 out[rank].append(_gathered(receives[rank], lengths, axis, shape))
-            finally:
-                backend.deactivate(token)
     return out
 
 
