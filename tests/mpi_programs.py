@@ -104,7 +104,8 @@ async def compute(strategy: aiodist.Strategy) -> dict:
 
         seen.append(strategy.experimental_local_results(await strategy.run(back, args=(batch,)))[0])
     cross["batches"] = seen
-    return {"per_replica": per_replica, "cross": _plain(cross)}
+    loop = type(asyncio.get_running_loop()).__module__  # "asyncio..." or "uvloop"
+    return {"per_replica": per_replica, "cross": _plain(cross), "loop": loop}
 
 
 def _strategy(counts: list[int], timeout: float | None = None) -> aiodist.Strategy:
@@ -177,16 +178,23 @@ async def _concurrent(strategy: aiodist.Strategy) -> list:
     return [strategy.experimental_local_results(r)[0].tolist() for r in results]
 
 
+def _run(coro):
+    """On the loop named by AIODIST_TEST_LOOP: uvloop (aiodist.run's) or asyncio."""
+    if os.environ.get("AIODIST_TEST_LOOP") == "asyncio":
+        return asyncio.run(coro)
+    return aiodist.run(coro)
+
+
 def main() -> None:
     mode = sys.argv[1]
     counts = [int(c) for c in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1] * 8
     if mode in ("mismatch", "stop", "kill"):
         strategy = _strategy(counts, timeout=1.5)
-        aiodist.run(_failing(mode, strategy))
+        _run(_failing(mode, strategy))
         return
     strategy = _strategy(counts)
     work = {"compute": compute, "inputs": _inputs, "concurrent": _concurrent}[mode]
-    _report(strategy, aiodist.run(work(strategy)))
+    _report(strategy, _run(work(strategy)))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ repository root, so the docs cannot rot.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -26,6 +27,15 @@ _GPU_ONLY = (
 )
 
 
+# Multi-worker examples need mpi4py (the test extra installs it on Linux).
+_MPI_ONLY = (
+    pytest.mark.skipif(
+        importlib.util.find_spec("mpi4py") is None,
+        reason="the example needs mpi4py (pip install '.[mpi]')",
+    ),
+)
+
+
 def _examples():
     for path in sorted((ROOT / "docs").glob("*.md")):
         text = path.read_text()
@@ -39,6 +49,8 @@ def _examples():
             following = blocks[i + 1] if i + 1 < len(blocks) else None
             expected = following[1] if following and following[0] == "text" else None
             marks = _GPU_ONLY if "import cupy" in body else ()
+            if "MultiWorkerMirroredStrategy" in body:
+                marks = _MPI_ONLY
             yield pytest.param(body, expected, id=f"{path.name}:{line}", marks=marks)
 
 

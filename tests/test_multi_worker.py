@@ -36,11 +36,16 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _launch(workers: int, *args: str, timeout: float = 60) -> tuple:
+def _launch(workers: int, *args: str, timeout: float = 60, loop: str = "uvloop") -> tuple:
     """Run ``mpiexec -n workers`` on the program; (rc, {rank: result}, output, seconds)."""
     command = [_mpiexec(), "-n", str(workers), sys.executable, *args]
     with tempfile.TemporaryDirectory() as folder:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "AIODIST_TEST_RESULTS": folder}
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "AIODIST_TEST_RESULTS": folder,
+            "AIODIST_TEST_LOOP": loop,  # for tests/mpi_programs.py
+        }
         started = time.monotonic()
         done = subprocess.run(
             command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
@@ -64,14 +69,16 @@ def _one_process(total: int) -> dict:
     return json.loads(json.dumps(aiodist.run(compute(strategy))))
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 @pytest.mark.parametrize("counts", [[1, 1], [2, 2], [1, 2, 1]], ids=["2x1", "2x2", "3-uneven"])
-def test_results_equal_one_process_with_as_many_replicas(counts):
-    rc, results, output, _ = _program(len(counts), "compute", counts)
+def test_results_equal_one_process_with_as_many_replicas(counts, loop):
+    rc, results, output, _ = _program(len(counts), "compute", counts, loop=loop)
     assert rc == 0, output[-3000:]
     assert sorted(results) == list(range(len(counts)))
     expected = _one_process(sum(counts))
     per_replica = {}
     for rank, result in results.items():
+        assert result["loop"].split(".")[0] == loop
         per_replica.update(result["per_replica"])
         assert _close(result["cross"], expected["cross"]), (rank, result, expected["cross"])
     # Global replica ids: each worker holds its own, together all of them.
@@ -98,8 +105,9 @@ def _close(got, want) -> bool:
     return got == want
 
 
-def test_a_mismatch_between_workers_is_named_on_every_worker():
-    _, results, output, _ = _program(3, "mismatch", [1, 1, 1])
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_mismatch_between_workers_is_named_on_every_worker(loop):
+    _, results, output, _ = _program(3, "mismatch", [1, 1, 1], loop=loop)
     assert sorted(results) == [0, 1, 2], output[-3000:]
     for result in results.values():
         assert result["error"] == "CollectiveMismatchError"
@@ -109,10 +117,11 @@ def test_a_mismatch_between_workers_is_named_on_every_worker():
         assert "call #1" in message
 
 
-def test_an_unresponsive_worker_makes_the_others_fail_within_the_timeout():
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_an_unresponsive_worker_makes_the_others_fail_within_the_timeout(loop):
     """Worker 1 stops (SIGSTOP: alive, never answering); the others report it
     within the 1.5 s timeout, naming it, and the job then ends (MPI_Abort)."""
-    rc, results, output, seconds = _program(3, "stop", [1, 2, 1], timeout=60)
+    rc, results, output, seconds = _program(3, "stop", [1, 2, 1], timeout=60, loop=loop)
     assert sorted(results) == [0, 2], output[-3000:]
     for rank in (0, 2):
         result = results[rank]
