@@ -342,7 +342,12 @@ class World:
         return headers
 
     def _lost(self, what: str, how: str) -> None:
-        self._break(RendezvousError(f"{what} {how}"))
+        self._break(
+            RendezvousError(
+                f"{what} {how}; the other workers' order of operations can no longer be "
+                "matched, so stop every worker and restart the job."
+            )
+        )
 
     async def _data(self, start: Callable[[], Any], what: str, timeout: float | None) -> None:
         future, _marks = self._progress.submit(lambda: [start()])
