@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -148,13 +148,10 @@ class StrategyExtended:
         _context.require_cross_replica(self._strategy, "reduce_to")
         op = ReduceOp.of(reduce_op)
         options = self._strategy._communication_options.merge(options)
-        ordered = self._strategy._order_before_cross_replica()
-        try:
+        with self._strategy._cross_replica_order():
             return await self._cross_device_ops.reduce(
                 op, self._distributed(op, value), destinations, options
             )
-        finally:
-            self._strategy._order_after_cross_replica(ordered)
 
     async def batch_reduce_to(
         self,
@@ -167,20 +164,14 @@ class StrategyExtended:
         op = ReduceOp.of(reduce_op)
         options = self._strategy._communication_options.merge(options)
         pairs = self._pairs(op, value_destination_pairs)
-        ordered = self._strategy._order_before_cross_replica()
-        try:
+        with self._strategy._cross_replica_order():
             return await self._cross_device_ops.batch_reduce(op, pairs, options)
-        finally:
-            self._strategy._order_after_cross_replica(ordered)
 
     async def broadcast_to(self, value: Any, destinations: Any) -> Any:
         """Copy ``value`` to every device of ``destinations``."""
         _context.require_cross_replica(self._strategy, "broadcast_to")
-        ordered = self._strategy._order_before_cross_replica()
-        try:
+        with self._strategy._cross_replica_order():
             return await self._cross_device_ops.broadcast(value, destinations)
-        finally:
-            self._strategy._order_after_cross_replica(ordered)
 
     async def update(
         self,
@@ -473,32 +464,29 @@ class Strategy:
         on_gpu = [i for i, p in enumerate(parts) if is_cupy_array(p)]
         if on_gpu:
             backend = backend_for(Device("GPU", parts[on_gpu[0]].device.id))
-            ordered = self._order_before_cross_replica()
-            try:
+            with self._cross_replica_order():
                 copies = await backend.to_host_async([parts[i] for i in on_gpu])
-            finally:
-                self._order_after_cross_replica(ordered)
             for i, copy in zip(on_gpu, copies, strict=True):
                 parts[i] = copy
         return [p if type(p) is np.ndarray else np.asarray(p) for p in parts]
 
     # -- ordering cross-replica work on GPUs ----------------------------------------------
 
-    def _order_before_cross_replica(self) -> bool:
-        """On GPUs, make the current streams wait for the work queued on every replica
-        stream, so cross-replica code sees the replicas' results. Returns whether
-        ``_order_after_cross_replica`` has work to do."""
+    @contextlib.contextmanager
+    def _cross_replica_order(self) -> Iterator[None]:
+        """On GPUs, order the cross-replica work issued inside the block: the current
+        streams first wait for the work queued on every replica stream (so it sees
+        the replicas' results), and every replica stream's later work then waits for
+        it. Holds no stream state, so the block may await. Nothing on the host."""
         backend = self._slots[0].backend
         if not backend.needs_activation:
-            return False
+            yield
+            return
         backend.order_after_replicas(self._slots)
-        return True
-
-    def _order_after_cross_replica(self, ordered: bool) -> None:
-        """On GPUs, make every replica stream's later work wait for the work just
-        queued on the current streams (the counterpart of the above)."""
-        if ordered:
-            self._slots[0].backend.order_replicas_after(self._slots)
+        try:
+            yield
+        finally:
+            backend.order_replicas_after(self._slots)
 
 
 def _normalise_axis(axis: Any, parts: list) -> tuple[int, ...]:
