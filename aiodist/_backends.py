@@ -9,15 +9,18 @@ surface:
   no streams), and ``activate(device, stream)`` / ``deactivate(token)`` make that
   device and stream current around every step of the replica's coroutine
   (``needs_activation`` is False where this is a no-op, so the scheduler skips it);
-- ``begin_cross_replica(slots, first)`` / ``end_cross_replica(token, slots)``
-  bracket cross-replica work (collectives, ``merge_fn``) so it is ordered after
-  each replica's pending work and each replica's later work after it (CUDA
-  events on GPUs; nothing on the host, whose work is already done when issued),
-  and ``enter_cross_replica(token)`` / ``leave_cross_replica(saved)`` make the
-  streams that work is issued on current around each synchronous stretch of it;
+- where ``needs_activation`` is True (streams), also
+  ``begin_cross_replica(slots, first)`` / ``end_cross_replica(token, slots)``,
+  which bracket cross-replica work (collectives, ``merge_fn``) so it is ordered
+  after each replica's pending work and each replica's later work after it
+  (CUDA events), and ``enter_cross_replica(token)`` /
+  ``leave_cross_replica(saved)``, which make the streams that work is issued on
+  current around each synchronous stretch of it. The host needs none of these:
+  its work is done when issued, and the scheduler does not call them;
 - ``on_device(device)`` is a context manager making ``device`` current (where
-  kernels and copies go), ``asarray(value, device)`` places a value on a device, ``to_host(array)``
-  copies it back, and ``xp`` is the array namespace (``numpy`` or ``cupy``).
+  kernels and copies go), ``asarray(value, device)`` places a value on a
+  device, ``to_host(array)`` copies it back, and ``xp`` is the array namespace
+  (``numpy`` or ``cupy``).
 
 ``import aiodist`` imports NumPy only; CuPy is imported the first time a GPU
 device is asked for.
@@ -75,18 +78,6 @@ class CpuBackend:
         return None
 
     def deactivate(self, token: object) -> None:
-        return None
-
-    def begin_cross_replica(self, slots: Any, first: Device | None = None) -> None:
-        return None
-
-    def enter_cross_replica(self, token: object) -> None:
-        return None
-
-    def leave_cross_replica(self, saved: object) -> None:
-        return None
-
-    def end_cross_replica(self, token: object, slots: Any) -> None:
         return None
 
     def on_device(self, device: Device) -> contextlib.nullcontext:

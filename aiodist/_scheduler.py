@@ -18,8 +18,8 @@ A run group owns
 asyncio objects are created here, per run, on the running loop: a strategy
 outlives event loops (pytest-asyncio, uvicorn reloads) and holds none.
 
-Cross-replica work is bracketed by the backend hooks ``begin_cross_replica`` /
-``end_cross_replica`` (CUDA events on GPUs, nothing on CPUs), so it is ordered
+On backends with streams, cross-replica work is bracketed by the backend hooks
+``begin_cross_replica`` / ``end_cross_replica`` (CUDA events), so it is ordered
 after every replica's pending work and before every replica's later work
 without blocking the loop.
 """
