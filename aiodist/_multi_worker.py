@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import queue
@@ -188,6 +189,7 @@ class World:
         self.offsets = [sum(self.counts[:w]) for w in range(self.size)]
         self.total = sum(self.counts)
         self.order = 0  # cross-worker operations issued so far
+        self.in_flight = 0  # asynchronous operations begun and not finished (operation())
         self.broken: RendezvousError | None = None
         self._progress = _Progress()
 
@@ -201,6 +203,16 @@ class World:
                 "order of operations is lost, so no further cross-worker call can be "
                 "matched. Stop every worker and restart the job."
             )
+
+    @contextlib.contextmanager
+    def operation(self) -> Any:
+        """Marks an asynchronous cross-worker operation (headers, then data) as in
+        flight, so that a synchronous one cannot start in the middle of it."""
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
 
     # -- waiting (on the loop, or on a synchronous caller's thread) --------------------
 
@@ -328,8 +340,17 @@ class World:
         return self._agreed(posted, arrived, what, timeout)
 
     def agree_now(self, what: str, key: str, timeout: float | None, **extra: Any) -> list:
-        """``agree`` for synchronous code (creating a variable): the same exchange,
-        waited for on the caller's thread."""
+        """``agree`` for synchronous code (creating a variable, reading a sync-on-read
+        one): the same exchange, waited for on the caller's thread."""
+        if self.in_flight:
+            # Its next step needs the loop this call blocks: the other workers would
+            # wait for that step while this worker waits for them, until the timeout.
+            raise InvalidArgumentError(
+                f"{what}: a synchronous cross-worker call was made while {self.in_flight} "
+                "asynchronous one(s) of this worker are in flight (a strategy.run, "
+                "strategy.reduce or gather not yet finished). Make it between them, or "
+                "inside merge_fn, at the same point on every worker."
+            )
         posted = self._post_headers(what, key, extra)
         return self._agreed(posted, self._wait_now(posted.future, timeout), what, timeout)
 
@@ -380,17 +401,29 @@ class World:
         )
         return [out[offsets[w] : offsets[w] + sizes[w]] for w in range(self.size)]
 
+    def _data_now(self, start: Callable[[], Any], what: str, timeout: float | None) -> None:
+        future, _marks = self._progress.submit(lambda: [start()])
+        if not self._wait_now(future, timeout):
+            self._stalled(what, timeout)
+
     def broadcast_now(self, array: np.ndarray, what: str, timeout: float | None) -> np.ndarray:
         """Worker 0's ``array`` on every worker (synchronous; shapes must agree)."""
         self.agree_now(what, f"broadcast {array.dtype.str}{array.shape}", timeout)
         buffer = np.array(array, order="C", copy=True)
         raw = buffer.reshape(-1).view(np.uint8)
-        future, _marks = self._progress.submit(
-            lambda: [self.comm.Ibcast([raw, self.MPI.BYTE], root=0)]
-        )
-        if not self._wait_now(future, timeout):
-            self._stalled(what, timeout)
+        self._data_now(lambda: self.comm.Ibcast([raw, self.MPI.BYTE], root=0), what, timeout)
         return buffer
+
+    def all_reduce_now(
+        self, op: ReduceOp, buffer: np.ndarray, what: str, timeout: float | None
+    ) -> np.ndarray:
+        """``all_reduce`` for synchronous code, headers included (shapes must agree)."""
+        self.agree_now(what, f"all_reduce {op.name} {buffer.dtype.str}{buffer.shape}", timeout)
+        send, restore = _travel(buffer, op, what)
+        out = np.empty_like(send)
+        mpi_op = getattr(self.MPI, _MPI_OPS[op])
+        self._data_now(lambda: self.comm.Iallreduce(send, out, op=mpi_op), what, timeout)
+        return restore(out)
 
 
 def _travel(buffer: np.ndarray, op: ReduceOp, what: str) -> tuple:
@@ -520,17 +553,20 @@ class _WorkerGroup(RunGroup):
         ops = strategy.extended._cross_device_ops
         arrays = [payload.arrays for payload in payloads]
         devices, options, streams = self.devices, first.options, self.streams
-        if signature.name == "all_reduce":
-            op = first.op
-            local_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
-            local = ops._all_reduce_flat(local_op, arrays, devices, options, streams)[0]
-            await world.agree(what, key, timeout)
-            leaves = await _reduce_leaves(world, op, list(local), what, timeout)
-        else:
-            local = ops._all_gather_flat(arrays, first.axis, devices, options, streams)[0]
-            shapes = [list(leaf.shape) for leaf in local]
-            headers = await world.agree(what, key, timeout, shapes=shapes)
-            leaves = await _gather_leaves(world, list(local), headers, first.axis, what, timeout)
+        with world.operation():
+            if signature.name == "all_reduce":
+                op = first.op
+                local_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
+                local = ops._all_reduce_flat(local_op, arrays, devices, options, streams)[0]
+                await world.agree(what, key, timeout)
+                leaves = await _reduce_leaves(world, op, list(local), what, timeout)
+            else:
+                local = ops._all_gather_flat(arrays, first.axis, devices, options, streams)[0]
+                shapes = [list(leaf.shape) for leaf in local]
+                headers = await world.agree(what, key, timeout, shapes=shapes)
+                leaves = await _gather_leaves(
+                    world, list(local), headers, first.axis, what, timeout
+                )
         out = [[cpu_backend.shared_view(leaf) for leaf in leaves] for _ in payloads]
         return self._per_replica(payloads, out)
 
@@ -643,9 +679,12 @@ class MultiWorkerMirroredStrategy(Strategy):
         return await self._reduce_across(ReduceOp.of(reduce_op), value, axis, None)
 
     def _per_local_replica(self, value: Any) -> Any:
-        """``value`` as this worker's replicas' values: a value that is not
-        distributed is each local replica's (as when every replica passed the same
-        object), so with one local replica it is simply that replica's value."""
+        """``value`` as this worker's replicas' values: a variable's are its copies;
+        a value that is not distributed is each local replica's (as when every
+        replica passed the same object), so with one local replica it is simply
+        that replica's value."""
+        if hasattr(value, "_aiodist_local_results"):  # a variable: never read it whole
+            return PerReplica(list(value._aiodist_local_results()), self._devices)
         if isinstance(value, DistributedValues) or len(self._slots) == 1:
             return value
         return PerReplica([value] * len(self._slots), self._devices)
@@ -665,9 +704,9 @@ class MultiWorkerMirroredStrategy(Strategy):
         )
         what = f"strategy.reduce({op.name}, {leaf_text(local)})"
         key = repr((op.name, local.dtype.str, local.shape))
-        headers = await self._world.agree(what, key, timeout, count=count)
-        send_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
-        total = await self._world.all_reduce(send_op, np.asarray(local), what, timeout)
+        with self._world.operation():
+            headers = await self._world.agree(what, key, timeout, count=count)
+            total = await self._world.all_reduce(local_op, np.asarray(local), what, timeout)
         if op is ReduceOp.MEAN:
             return mean_of_sum(np, total, sum(h["count"] for h in headers))
         return total
@@ -679,7 +718,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         what = f"strategy.gather(axis={axis}, {leaf_text(local)})"
         shape = list(local.shape)
         shape[axis] = -1
-        headers = await self._world.agree(
-            what, repr((local.dtype.str, shape)), timeout, shapes=[list(local.shape)]
-        )
-        return (await _gather_leaves(self._world, [local], headers, axis, what, timeout))[0]
+        with self._world.operation():
+            headers = await self._world.agree(
+                what, repr((local.dtype.str, shape)), timeout, shapes=[list(local.shape)]
+            )
+            return (await _gather_leaves(self._world, [local], headers, axis, what, timeout))[0]

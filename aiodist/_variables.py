@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from . import _context
+from ._arrays import mean_of_sum
 from ._backends import backend_for, host_array, is_cupy_array
 from ._devices import Device
 from ._errors import ContextError, InvalidArgumentError
@@ -200,12 +201,6 @@ class Variable:
                     if sync is VariableSynchronization.ON_READ
                     else MirroredVariable
                 )
-                if cls is SyncOnReadVariable and state.strategy._world is not None:
-                    raise InvalidArgumentError(
-                        "synchronization=ON_READ variables are not supported across "
-                        "workers in this version (their reads would have to wait for every "
-                        "worker synchronously); use a mirrored variable."
-                    )
         return super().__new__(cls)
 
     def __init__(
@@ -475,6 +470,8 @@ class SyncOnReadVariable(Variable):
         return self._aggregate_copies()
 
     def _aggregate_copies(self) -> Any:
+        if self._strategy._world is not None:
+            return self._aggregate_across_workers()
         if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             return self._values[0]
         op = ReduceOp.SUM if self._aggregation is VariableAggregation.SUM else ReduceOp.MEAN
@@ -484,6 +481,26 @@ class SyncOnReadVariable(Variable):
         return _frozen(ops._reduce_arrays(op, self._values, self._devices[0]).view())
 
     value = read_value
+
+    def _aggregate_across_workers(self) -> np.ndarray:
+        """The aggregate over every worker's copies: a synchronous exchange with the
+        other workers (like TF's, a read is a collective), which every worker must
+        make at the same point in its sequence of cross-worker operations."""
+        strategy = self._strategy
+        world = strategy._world
+        timeout = strategy._communication_options.timeout_seconds
+        what = f"reading sync-on-read variable {self._name!r} ({self._aggregation.name})"
+        if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+            # Global replica 0 is worker 0's first.
+            total = world.broadcast_now(host_array(self._values[0]), what, timeout)
+        else:
+            ops = strategy.extended._cross_device_ops
+            copies = [np.asarray(host_array(v)) for v in self._values]
+            local = np.asarray(ops._reduce_arrays(ReduceOp.SUM, copies, _HOST))
+            total = world.all_reduce_now(ReduceOp.SUM, local, what, timeout)
+            if self._aggregation is VariableAggregation.MEAN:
+                total = mean_of_sum(np, total, world.total)
+        return _frozen(total)
 
     def _saved_value(self) -> np.ndarray:
         if self._aggregation is VariableAggregation.NONE:
@@ -500,12 +517,14 @@ class SyncOnReadVariable(Variable):
         self._assign_to_first_copy(value)
 
     def _assign_to_first_copy(self, value: Any) -> None:
-        """Exact for every dtype: the first copy holds the value, the others zero, so
-        the SUM read gives back exactly ``value``."""
+        """Exact for every dtype: the first copy (global replica 0's) holds the value,
+        the others zero, so the SUM read gives back exactly ``value``."""
         value = np.asarray(host_array(value))
+        world = self._strategy._world
+        first = 0 if world is None or world.rank == 0 else None  # this worker's index of it
         new = []
         for i, (device, old) in enumerate(zip(self._devices, self._values, strict=True)):
-            part = value if i == 0 else np.zeros_like(value)
+            part = value if i == first else np.zeros_like(value)
             placed = backend_for(device).asarray(part, device)
             new.append(_update_value("assign", old, placed, f"{self._name}.restore"))
         self._values[:] = new
@@ -515,7 +534,7 @@ class SyncOnReadVariable(Variable):
         if index is not None:
             VariableCopy(self, index)._write(kind, value)
             return self
-        n = len(self._values)
+        n = self._strategy.num_replicas_in_sync  # every worker's copies
         if self._aggregation is VariableAggregation.SUM:
             if kind != "assign":
                 raise InvalidArgumentError(

@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -92,6 +93,7 @@ async def compute(strategy: aiodist.Strategy) -> dict:
     await strategy.run(update)
     cross["weights"] = weights.numpy()
     cross["counter"] = counter.numpy()
+    cross["on_read"] = await _on_read(strategy)
 
     # Global batches of 7 rows (uneven over the replicas): each replica's rows,
     # gathered back, give every batch whole and in order.
@@ -106,6 +108,63 @@ async def compute(strategy: aiodist.Strategy) -> dict:
     cross["batches"] = seen
     loop = type(asyncio.get_running_loop()).__module__  # "asyncio..." or "uvloop"
     return {"per_replica": per_replica, "cross": _plain(cross), "loop": loop}
+
+
+async def _on_read(strategy: aiodist.Strategy) -> dict:
+    """Sync-on-read variables: local updates, aggregated reads (outside runs and
+    inside merge_fn), cross-replica assigns, and a checkpoint round trip."""
+    kinds = {"sum": 1.5, "mean": 1.5, "only_first_replica": 1.5, "int_sum": 3}
+    with strategy.scope():
+        metrics = {
+            kind: aiodist.Variable(
+                np.full(2, start),
+                synchronization="on_read",
+                name=kind,
+                aggregation=kind.removeprefix("int_"),
+            )
+            for kind, start in kinds.items()
+        }
+
+    async def step():
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        for variable in metrics.values():
+            await variable.assign_add(np.array([rid, 2 * rid + 1], variable.dtype))
+
+        def merge_fn(strategy):  # a read in merge_fn: once per worker, in step
+            return {kind: v.numpy() for kind, v in metrics.items()}
+
+        return await aiodist.get_replica_context().merge_call(merge_fn)
+
+    in_merge = strategy.experimental_local_results(await strategy.run(step))[0]
+    out = {"read": {k: v.numpy() for k, v in metrics.items()}, "in_merge": in_merge}
+    with tempfile.TemporaryDirectory() as folder:  # each worker saves (a collective)
+        path = await aiodist.save_variables(os.path.join(folder, "m.npz"), metrics)
+        with np.load(path) as saved:
+            out["saved"] = {k: saved[k] for k in metrics}
+        for variable in metrics.values():
+            await variable.assign(np.array([7, 9], variable.dtype))
+        out["assigned"] = {k: v.numpy() for k, v in metrics.items()}
+        await aiodist.restore_variables(path, metrics)
+        out["restored"] = {k: v.numpy() for k, v in metrics.items()}
+    return out
+
+
+async def _read_while_busy(strategy: aiodist.Strategy) -> dict:
+    """A synchronous read while an asynchronous cross-worker call is in flight is
+    refused at once (waiting would block the step that call needs); the call then
+    completes, and reads between calls work. ``strategy.reduce`` of the variable
+    reduces its copies without reading it whole."""
+    with strategy.scope():
+        metric = aiodist.Variable(1.0, synchronization="on_read", aggregation="sum")
+    pending = asyncio.create_task(strategy.reduce("sum", metric, axis=None))
+    await asyncio.sleep(0)  # it has sent its header and waits for the other workers
+    try:
+        metric.numpy()
+    except aiodist.InvalidArgumentError as exc:
+        refused = str(exc)
+    else:
+        refused = None
+    return _plain({"refused": refused, "reduced": await pending, "read": metric.numpy()})
 
 
 def _strategy(counts: list[int], timeout: float | None = None) -> aiodist.Strategy:
@@ -193,7 +252,12 @@ def main() -> None:
         _run(_failing(mode, strategy))
         return
     strategy = _strategy(counts)
-    work = {"compute": compute, "inputs": _inputs, "concurrent": _concurrent}[mode]
+    work = {
+        "compute": compute,
+        "inputs": _inputs,
+        "concurrent": _concurrent,
+        "busy": _read_while_busy,
+    }[mode]
     _report(strategy, _run(work(strategy)))
 
 

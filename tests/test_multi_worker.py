@@ -154,6 +154,15 @@ def test_concurrent_runs_are_serialised_and_all_correct():
         assert result == [4.0 * 4 * k for k in range(4)]
 
 
+def test_a_synchronous_read_during_a_cross_worker_call_is_refused_not_deadlocked():
+    rc, results, output, _ = _program(2, "busy", [2, 1])
+    assert rc == 0, output[-3000:]
+    for result in results.values():
+        assert "while 1 asynchronous one(s) of this worker are in flight" in result["refused"]
+        assert "sync-on-read variable 'Variable' (SUM)" in result["refused"]
+        assert result["reduced"] == result["read"] == 3.0  # a copy of 1.0 per replica
+
+
 def test_the_demo_gives_the_weights_of_one_process():
     args = ["-m", "aiodist", "--devices", "cpu:0,cpu:1", "--steps", "20"]
     rc, _, output, _ = _launch(2, *args)
