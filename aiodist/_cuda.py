@@ -333,7 +333,7 @@ def _nccl() -> Any:
     return nccl
 
 
-_communicators: dict[tuple[int, ...], list] = {}
+_communicators: dict[tuple, list] = {}  # by devices, or by (uid, ranks, first, devices)
 
 
 def communicators(indices: tuple[int, ...]) -> list:
@@ -342,6 +342,36 @@ def communicators(indices: tuple[int, ...]) -> list:
     comms = _communicators.get(indices)
     if comms is None:
         comms = _communicators[indices] = _nccl().NcclCommunicator.initAll(list(indices))
+    return comms
+
+
+def unique_id() -> bytes:
+    """A new NCCL unique id (``NCCL_UNIQUE_ID_BYTES`` = 128 bytes), made by the
+    process that will send it to the others."""
+    return bytes(_nccl().get_unique_id())
+
+
+def world_communicators(uid: bytes, total: int, first_rank: int, indices: tuple[int, ...]) -> list:
+    """This process's ranks of one NCCL communicator spanning several processes:
+    rank ``first_rank + i`` on GPU ``indices[i]``, ``total`` ranks in all.
+
+    Every process calls this with the same ``uid`` at the same point. The ranks
+    are created between ``groupStart()`` and ``groupEnd()``: one thread creates
+    several, and each creation waits for every other rank until the group ends.
+    """
+    key = (uid, total, first_rank, indices)
+    comms = _communicators.get(key)
+    if comms is None:
+        nccl = _nccl()
+        comms = []
+        nccl.groupStart()
+        try:
+            for i, index in enumerate(indices):
+                with cupy.cuda.Device(index):  # a rank belongs to the current device
+                    comms.append(nccl.NcclCommunicator(total, uid, first_rank + i))
+        finally:
+            nccl.groupEnd()
+        _communicators[key] = comms
     return comms
 
 
@@ -451,17 +481,24 @@ def all_reduce(
     num_packs: int,
     bytes_per_pack: int,
     backend: GpuBackend,
+    comms: list | None = None,
+    count: int | None = None,
 ) -> list[list]:
     """All-reduce lists of leaves with NCCL, each rank on its replica's stream.
 
     Leaves are grouped by the dtype they travel as; each group is packed into
     one buffer per replica (no copy for a single contiguous leaf), cut into
     packs, and each pack is one ``groupStart()/groupEnd()`` call over every
-    rank. Results are views into each replica's reduced buffer.
+    rank of this process. Results are views into each replica's reduced buffer.
+
+    ``comms`` (this process's ranks) and ``count`` (every process's replicas,
+    for MEAN) are given when the communicator spans several processes; by
+    default it is this process's devices alone.
     """
     nccl = _nccl()
     n = len(per_replica)
-    comms = communicators(tuple(d.index for d in devices))
+    if comms is None:
+        comms = communicators(tuple(d.index for d in devices))
     first = per_replica[0]
     # Complex leaves get packs of their own: a complex value viewed in a float
     # buffer must start on a whole complex element (CuPy's kernels assume it).
@@ -502,7 +539,7 @@ def all_reduce(
         for rank in range(n):
             with backend.on_stream(devices[rank], streams[rank]):
                 leaves = [first[i] for i in members]
-                _unpack(op, n, buffers[rank], leaves, travel, members, out[rank])
+                _unpack(op, count or n, buffers[rank], leaves, travel, members, out[rank])
     return out
 
 
@@ -543,19 +580,27 @@ def all_gather(
     devices: Sequence[Device],
     streams: Sequence[Any],
     backend: GpuBackend,
+    comms: list | None = None,
+    lengths_by_leaf: Sequence[Sequence[int]] | None = None,
 ) -> list[list]:
     """Concatenate each leaf across replicas along ``axis`` with NCCL ``allGather``.
 
     Every dtype travels as bytes. Leaves whose lengths along ``axis`` differ are
     padded to the longest first, and the padding is cut away after.
+
+    ``comms`` (this process's ranks) and ``lengths_by_leaf[i]`` (leaf ``i``'s
+    length along ``axis`` on every rank of every process) are given when the
+    communicator spans several processes.
     """
     nccl = _nccl()
     n = len(per_replica)
-    comms = communicators(tuple(d.index for d in devices))
+    if comms is None:
+        comms = communicators(tuple(d.index for d in devices))
     out: list[list] = [[] for _ in range(n)]
     for index in range(len(per_replica[0])):
         leaves = [per_replica[rank][index] for rank in range(n)]
-        lengths = [leaf.shape[axis] for leaf in leaves]
+        local = [leaf.shape[axis] for leaf in leaves]
+        lengths = local if lengths_by_leaf is None else list(lengths_by_leaf[index])
         longest = max(lengths)
         shape = list(leaves[0].shape)
         shape[axis] = longest
@@ -563,14 +608,14 @@ def all_gather(
         for rank in range(n):
             with backend.on_stream(devices[rank], streams[rank]):
                 leaf = leaves[rank]
-                if lengths[rank] != longest:
+                if local[rank] != longest:
                     padded = cupy.zeros(shape, leaf.dtype)
                     where = [slice(None)] * leaf.ndim
-                    where[axis] = slice(0, lengths[rank])
+                    where[axis] = slice(0, local[rank])
                     padded[tuple(where)] = leaf
                     leaf = padded
                 sends.append(cupy.ascontiguousarray(leaf))
-                receives.append(cupy.empty((n, *shape), leaf.dtype))
+                receives.append(cupy.empty((len(lengths), *shape), leaf.dtype))
         nbytes = sends[0].nbytes
         if nbytes:  # (nothing to move for empty values: NCCL rejects null buffers)
             _all_gather_call(nccl, comms, sends, receives, nbytes, streams)

@@ -34,8 +34,12 @@ forever). Note that ``mpiexec`` itself ends the job at once when a worker
 *process dies*; the timeout is what reports a worker that hangs, stops
 responding, or calls something else.
 
-GPU replicas across workers (one NCCL communicator over every GPU of every
-worker) are not supported in this version; CPU replicas are.
+With GPU replicas, step 1 to 3 are one NCCL collective instead: one
+communicator spans every GPU of every worker (worker 0 makes its unique id
+and sends it over MPI; each worker creates its ranks between ``groupStart()``
+and ``groupEnd()``), and after the header exchange each replica's rank is
+issued on that replica's stream, the same code as on one machine. Every
+worker holds replicas of one kind (all CPU or all GPU).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ import numpy as np
 from . import _poll
 from ._devices import Device
 from ._errors import (
+    AiodistError,
     CollectiveMismatchError,
     DeviceError,
     InvalidArgumentError,
@@ -178,22 +183,77 @@ class World:
     ids start at ``offsets[w]``.
     """
 
-    def __init__(self, local_replicas: int):
+    def __init__(
+        self, local_replicas: int, kind: str, timeout: float | None, failure: str | None = None
+    ):
         self.MPI = MPI = import_mpi()
-        self.comm = MPI.COMM_WORLD.Dup()  # our messages never meet the program's own
-        self.rank = self.comm.Get_rank()
-        self.size = self.comm.Get_size()
-        # Start-up exchange (blocking: strategies are built at the same point of the
-        # program on every worker, before any loop work depends on them).
-        self.counts = [int(c) for c in self.comm.allgather(local_replicas)]
-        self.offsets = [sum(self.counts[:w]) for w in range(self.size)]
-        self.total = sum(self.counts)
+        self.rank = MPI.COMM_WORLD.Get_rank()
+        self.size = MPI.COMM_WORLD.Get_size()
+        self.counts: list[int] = []  # known once every worker has said
         self.order = 0  # cross-worker operations issued so far
         self.in_flight = 0  # asynchronous operations begun and not finished (operation())
         self.broken: RendezvousError | None = None
         self._progress = _Progress()
+        self.comm = self._private_comm(timeout)
+        # Start-up: every worker says how many replicas of which kind it holds, or
+        # why it could not build its strategy (``failure``): then every worker
+        # raises, instead of the others waiting for it. A worker that never gets
+        # here is named when the timeout expires.
+        headers = self.agree_now(
+            "starting MultiWorkerMirroredStrategy",
+            "start",
+            timeout,
+            replicas=local_replicas,
+            kind=kind,
+            failure=failure,
+        )
+        self.counts = [int(h["replicas"]) for h in headers]
+        failed = [(w, h["failure"]) for w, h in enumerate(headers) if h["failure"]]
+        if failure is not None:
+            return  # the caller raises its own error
+        if failed:
+            raise DeviceError(
+                "MultiWorkerMirroredStrategy could not start: "
+                + "; ".join(f"worker {w} failed with {text}" for w, text in failed)
+                + ". Every worker must be able to build it."
+            )
+        kinds = [h["kind"] for h in headers]
+        if len(set(kinds)) > 1:
+            # NCCL (GPU) and MPI (CPU) collectives cannot meet: refuse on every worker.
+            raise DeviceError(
+                "workers hold replicas of different kinds ("
+                + ", ".join(f"worker {w}: {k}" for w, k in enumerate(kinds))
+                + "); every worker's replicas must be all CPU or all GPU."
+            )
+        self.offsets = [sum(self.counts[:w]) for w in range(self.size)]
+        self.total = sum(self.counts)
+
+    def _private_comm(self, timeout: float | None) -> Any:
+        """A duplicate of ``COMM_WORLD``, so our messages never meet the program's
+        own. Duplicating is collective: a worker that never builds its strategy
+        makes it time out (naming no one: MPI does not say who is missing)."""
+        made: list = []
+
+        def start() -> list:
+            comm, request = self.MPI.COMM_WORLD.Idup()
+            made.append(comm)
+            return [request]
+
+        future, _marks = self._progress.submit(start)
+        if not self._wait_now(future, timeout):
+            raise self._break(
+                RendezvousTimeoutError(
+                    f"starting MultiWorkerMirroredStrategy: timed out after {timeout:g} s "
+                    f"waiting for the other workers ({self.size} in this job): at least one "
+                    "never started building its strategy. Every worker must build it at the "
+                    "same point of the program."
+                )
+            )
+        return made[0]
 
     def who(self, worker: int) -> str:
+        if not self.counts:  # during start-up
+            return f"worker {worker}"
         return f"worker {worker} ({_span(self.offsets[worker], self.counts[worker])})"
 
     def _usable(self) -> None:
@@ -414,6 +474,14 @@ class World:
         self._data_now(lambda: self.comm.Ibcast([raw, self.MPI.BYTE], root=0), what, timeout)
         return buffer
 
+    def nccl_unique_id(self, timeout: float | None) -> bytes:
+        """Worker 0's new NCCL unique id, on every worker (synchronous)."""
+        from . import _cuda
+
+        mine = _cuda.unique_id() if self.rank == 0 else bytes(128)
+        raw = np.frombuffer(mine, np.uint8)
+        return self.broadcast_now(raw, "the NCCL unique id", timeout).tobytes()
+
     def all_reduce_now(
         self, op: ReduceOp, buffer: np.ndarray, what: str, timeout: float | None
     ) -> np.ndarray:
@@ -461,12 +529,6 @@ def local_devices(devices_per_worker: Any) -> tuple[Device, ...]:
         devices = tuple(Device("CPU", i) for i in range(devices_per_worker))
     else:
         devices = _parse_devices(devices_per_worker)
-    if any(d.kind == "GPU" for d in devices):
-        raise DeviceError(
-            f"devices {[str(d) for d in devices]}: GPU replicas across workers are not "
-            "supported in this version; use CPU devices (devices_per_worker=2 gives "
-            "'cpu:0', 'cpu:1' on every worker)."
-        )
     return devices
 
 
@@ -476,6 +538,7 @@ from . import _context  # noqa: E402  (the World above needs none of these)
 from ._arrays import leaf_text, mean_of_sum  # noqa: E402
 from ._backends import cpu_backend  # noqa: E402
 from ._cross_device_ops import (  # noqa: E402
+    NcclAllReduce,
     ReductionToOneDevice,
     _pack_indices,
     resolve_destinations,
@@ -486,6 +549,7 @@ from ._strategy import Strategy, StrategyExtended, _normalise_axis  # noqa: E402
 from ._values import DistributedValues, PerReplica  # noqa: E402
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
+_HOST = Device("CPU", 0)
 
 
 async def _reduce_leaves(
@@ -553,6 +617,10 @@ class _WorkerGroup(RunGroup):
         ops = strategy.extended._cross_device_ops
         arrays = [payload.arrays for payload in payloads]
         devices, options, streams = self.devices, first.options, self.streams
+        if strategy._nccl is not None:  # GPU replicas: one NCCL call over every worker
+            with world.operation():
+                out = await self._nccl_across(first, signature.name, arrays, what, key, timeout)
+            return self._per_replica(payloads, out)
         with world.operation():
             if signature.name == "all_reduce":
                 op = first.op
@@ -569,6 +637,37 @@ class _WorkerGroup(RunGroup):
                 )
         out = [[cpu_backend.shared_view(leaf) for leaf in leaves] for _ in payloads]
         return self._per_replica(payloads, out)
+
+    async def _nccl_across(
+        self, first: Any, name: str, arrays: list, what: str, key: str, timeout: float | None
+    ) -> list[list]:
+        """The collective on every worker's GPUs: headers first (the order and the
+        shapes, over MPI), then one NCCL call issued on each replica's stream."""
+        from . import _cuda
+
+        world, comms = self.strategy._world, self.strategy._nccl
+        backend = self.slots[0].backend
+        if name == "all_reduce":
+            await world.agree(what, key, timeout)
+            packs = self.strategy.extended._cross_device_ops.num_packs
+            return _cuda.all_reduce(
+                first.op,
+                arrays,
+                self.devices,
+                self.streams,
+                packs,
+                first.options.bytes_per_pack,
+                backend,
+                comms=comms,
+                count=world.total,
+            )
+        axis = first.axis
+        lengths = [[leaves[i].shape[axis] for leaves in arrays] for i in range(len(arrays[0]))]
+        headers = await world.agree(what, key, timeout, lengths=lengths)
+        every = [[n for h in headers for n in h["lengths"][i]] for i in range(len(lengths))]
+        return _cuda.all_gather(
+            arrays, axis, self.devices, self.streams, backend, comms=comms, lengths_by_leaf=every
+        )
 
 
 class _MultiWorkerExtended(StrategyExtended):
@@ -597,6 +696,19 @@ class _MultiWorkerExtended(StrategyExtended):
         """Across workers a value that is not distributed is each local replica's
         (``_per_local_replica``), so no reduction is ambiguous."""
         return value
+
+
+def _worker_options(given: Any) -> CommunicationOptions:
+    """The strategy's default options; cross-worker calls always have a bound (a
+    dead worker is reported): ``timeout_seconds`` defaults to 300 s."""
+    options = given or CommunicationOptions()
+    if not isinstance(options, CommunicationOptions):
+        raise InvalidArgumentError(
+            f"communication_options={given!r}; expected an aiodist.CommunicationOptions or None."
+        )
+    if options.timeout_seconds is None:
+        options = options.merge(CommunicationOptions(timeout_seconds=DEFAULT_TIMEOUT_SECONDS))
+    return options
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -628,15 +740,34 @@ class MultiWorkerMirroredStrategy(Strategy):
         devices_per_worker: Any = None,
         communication_options: CommunicationOptions | None = None,
     ):
-        devices = local_devices(devices_per_worker)
-        options = communication_options or CommunicationOptions()
-        if isinstance(options, CommunicationOptions) and options.timeout_seconds is None:
-            # Cross-worker calls always have a bound (a dead worker is reported).
-            options = options.merge(CommunicationOptions(timeout_seconds=DEFAULT_TIMEOUT_SECONDS))
-        world = World(len(devices))
+        failure: AiodistError | None = None
+        try:  # everything local first: a failure is told to the other workers
+            devices = local_devices(devices_per_worker)
+            options = _worker_options(communication_options)
+            if devices[0].kind == "GPU":
+                NcclAllReduce()._check_devices(devices)
+        except AiodistError as exc:
+            failure = exc
+            devices = ()
+            options = CommunicationOptions(timeout_seconds=DEFAULT_TIMEOUT_SECONDS)
+        kind = devices[0].kind if devices else "CPU"
+        text = None if failure is None else f"{type(failure).__name__}: {failure}"[:1500]
+        world = World(len(devices), kind, options.timeout_seconds, text)
+        if failure is not None:
+            raise failure
         self._world = world
         self._replica_offset = world.offsets[world.rank]
-        super().__init__(devices, ReductionToOneDevice(), options)
+        # This worker's ranks of the NCCL communicator over every worker's GPUs.
+        self._nccl: list | None = None
+        if kind == "GPU":
+            super().__init__(devices, NcclAllReduce(), options)  # checks NCCL, the GPUs
+            from . import _cuda
+
+            uid = world.nccl_unique_id(options.timeout_seconds)
+            indices = tuple(d.index for d in devices)
+            self._nccl = _cuda.world_communicators(uid, world.total, self._replica_offset, indices)
+        else:
+            super().__init__(devices, ReductionToOneDevice(), options)
         self._extended = _MultiWorkerExtended(self, self._extended._cross_device_ops)
         self._locks: dict[Any, asyncio.Lock] = {}
 
@@ -700,7 +831,9 @@ class MultiWorkerMirroredStrategy(Strategy):
             parts = [np.asarray(ufunc.reduce(p, axis=axes)) for p in parts]
         local_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
         local = self.extended._cross_device_ops._reduce_arrays(
-            local_op, [np.asarray(p) for p in parts], self._devices[0]
+            local_op,
+            [np.asarray(p) for p in parts],
+            _HOST,  # host parts: reduced there
         )
         what = f"strategy.reduce({op.name}, {leaf_text(local)})"
         key = repr((op.name, local.dtype.str, local.shape))

@@ -22,6 +22,8 @@ import aiodist
 
 
 def _plain(value):
+    if hasattr(value, "__cuda_array_interface__"):  # a CuPy array: its host copy
+        value = value.get()
     if isinstance(value, np.ndarray | np.generic):
         return value.tolist()
     if isinstance(value, list | tuple):
@@ -168,9 +170,15 @@ async def _read_while_busy(strategy: aiodist.Strategy) -> dict:
 
 
 def _strategy(counts: list[int], timeout: float | None = None) -> aiodist.Strategy:
+    """``counts[rank]`` CPU replicas; with AIODIST_TEST_GPUS=1, as many GPUs, each
+    worker its own (GPU ids numbered across workers: one NCCL rank per GPU)."""
     rank = int(os.environ.get("PMI_RANK", "0"))
     options = None if timeout is None else aiodist.CommunicationOptions(timeout_seconds=timeout)
-    return aiodist.MultiWorkerMirroredStrategy(counts[rank], communication_options=options)
+    devices = counts[rank]
+    if os.environ.get("AIODIST_TEST_GPUS") == "1":
+        first = sum(counts[:rank])
+        devices = [f"GPU:{first + i}" for i in range(counts[rank])]
+    return aiodist.MultiWorkerMirroredStrategy(devices, communication_options=options)
 
 
 def _report(strategy: aiodist.Strategy, value: object) -> None:

@@ -57,3 +57,9 @@ def test_nccl_apis_exist():
     )
     assert callable(nccl.groupStart) and callable(nccl.groupEnd)
     assert cuda.nccl_version() == nccl.get_version()
+    # The multi-worker communicator: a unique id of 128 bytes (what worker 0 sends
+    # the others over MPI) and the one-rank constructor taking it.
+    uid = cuda.unique_id()
+    assert isinstance(uid, bytes) and len(uid) == 128
+    assert "ndev (int)" in communicator.__doc__ and "commId (bytes)" in communicator.__doc__
+    assert "rank (int)" in communicator.__doc__

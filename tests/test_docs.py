@@ -20,7 +20,8 @@ from aiodist._backends import visible_gpu_count
 
 ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.S | re.M)
-# Examples that import CuPy run where a GPU is (python -m pytest -m gpu).
+# Examples that import CuPy or build GPU device names (f"GPU:{...}") run where a GPU
+# is (python -m pytest -m gpu).
 _GPU_ONLY = (
     pytest.mark.gpu,
     pytest.mark.skipif(visible_gpu_count() == 0, reason="the example needs CuPy and a GPU"),
@@ -48,9 +49,9 @@ def _examples():
                 continue
             following = blocks[i + 1] if i + 1 < len(blocks) else None
             expected = following[1] if following and following[0] == "text" else None
-            marks = _GPU_ONLY if "import cupy" in body else ()
+            marks = _GPU_ONLY if "import cupy" in body or 'f"GPU:{' in body else ()
             if "MultiWorkerMirroredStrategy" in body:
-                marks = _MPI_ONLY
+                marks = (*marks, *_MPI_ONLY)
             yield pytest.param(body, expected, id=f"{path.name}:{line}", marks=marks)
 
 

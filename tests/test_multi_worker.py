@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import aiodist
+from aiodist._backends import visible_gpu_count
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAM = ROOT / "tests" / "mpi_programs.py"
@@ -36,8 +37,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _launch(workers: int, *args: str, timeout: float = 60, loop: str = "uvloop") -> tuple:
-    """Run ``mpiexec -n workers`` on the program; (rc, {rank: result}, output, seconds)."""
+def _launch(
+    workers: int, *args: str, timeout: float = 60, loop: str = "uvloop", gpus: bool = False
+) -> tuple:
+    """Run ``mpiexec -n workers`` on the program; (rc, {rank: result}, output, seconds).
+    ``gpus``: every worker's replicas on GPUs of its own."""
     command = [_mpiexec(), "-n", str(workers), sys.executable, *args]
     with tempfile.TemporaryDirectory() as folder:
         env = {
@@ -45,6 +49,7 @@ def _launch(workers: int, *args: str, timeout: float = 60, loop: str = "uvloop")
             "PYTHONPATH": str(ROOT),
             "AIODIST_TEST_RESULTS": folder,
             "AIODIST_TEST_LOOP": loop,  # for tests/mpi_programs.py
+            "AIODIST_TEST_GPUS": "1" if gpus else "0",
         }
         started = time.monotonic()
         done = subprocess.run(
@@ -62,10 +67,10 @@ def _program(workers: int, mode: str, counts: list[int], **kwargs) -> tuple:
     return _launch(workers, str(PROGRAM), mode, ",".join(map(str, counts)), **kwargs)
 
 
-def _one_process(total: int) -> dict:
+def _one_process(total: int, kind: str = "cpu") -> dict:
     from tests.mpi_programs import compute
 
-    strategy = aiodist.MirroredStrategy([f"cpu:{i}" for i in range(total)])
+    strategy = aiodist.MirroredStrategy([f"{kind}:{i}" for i in range(total)])
     return json.loads(json.dumps(aiodist.run(compute(strategy))))
 
 
@@ -195,9 +200,73 @@ def test_import_never_imports_mpi4py():
     assert done.stdout.split() == ["False"]
 
 
-def test_gpu_devices_across_workers_are_refused_clearly():
+@pytest.mark.skipif(visible_gpu_count() > 0, reason="here GPU devices work")
+def test_gpu_devices_without_cupy_or_a_gpu_are_refused_clearly():
     rc, _, output, _ = _launch(
         1, "-c", "import aiodist; aiodist.MultiWorkerMirroredStrategy(['GPU:0'])"
     )
     assert rc != 0
-    assert "GPU" in output and ("not supported" in output or "CuPy" in output)
+    assert "DeviceError" in output and "GPU:0" in output and "CuPy" in output
+
+
+# -- GPU replicas across workers: NCCL over every worker's GPUs -------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    visible_gpu_count() == 0,
+    reason="needs CuPy and a CUDA GPU (pip install 'aiodist[cuda12]' or 'aiodist[cuda13]')",
+)
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("per_worker", [1, 2], ids=["1gpu-per-worker", "2gpus-per-worker"])
+def test_gpu_replicas_across_workers_equal_one_process(per_worker, loop):
+    """One worker per GPU (or per pair of GPUs): one NCCL rank per GPU, as NCCL
+    needs; with a single GPU that is one worker whose communicator is still made
+    from a unique id sent over MPI, with the header exchange and the same code."""
+    gpus = visible_gpu_count()
+    if gpus < per_worker:
+        pytest.skip(f"needs {per_worker} GPUs per worker, {gpus} visible")
+    workers = gpus // per_worker
+    counts = [per_worker] * workers
+    rc, results, output, _ = _program(workers, "compute", counts, loop=loop, gpus=True)
+    assert rc == 0, output[-3000:]
+    expected = _one_process(sum(counts), "gpu")
+    per_replica = {}
+    for rank, result in results.items():
+        per_replica.update(result["per_replica"])
+        assert _close(result["cross"], expected["cross"]), (rank, result, expected["cross"])
+    assert _close(per_replica, expected["per_replica"])
+
+
+def test_a_worker_that_cannot_build_its_strategy_stops_every_worker():
+    """Worker 1 asks for a GPU: without CuPy it cannot build its strategy, and
+    says so to the others, which raise naming it instead of waiting for it. (On a
+    GPU machine both build, and both refuse the mix of CPU and GPU workers: NCCL
+    and MPI collectives could never meet.)"""
+    program = (
+        "import os, aiodist\n"
+        "rank = int(os.environ['PMI_RANK'])\n"
+        "aiodist.MultiWorkerMirroredStrategy(['cpu:0'] if rank == 0 else ['GPU:0'])\n"
+    )
+    rc, _, output, seconds = _launch(2, "-c", program)
+    assert rc != 0 and seconds < 30, output[-3000:]
+    if visible_gpu_count():
+        assert output.count("worker 0: CPU, worker 1: GPU") == 2, output[-3000:]
+    else:
+        assert "could not start: worker 1 failed with DeviceError" in output, output[-3000:]
+        assert "CuPy is not installed" in output
+
+
+def test_a_worker_that_never_builds_its_strategy_is_named_at_start_up():
+    program = (
+        "import os, time, aiodist\n"
+        "from mpi4py import MPI\n"
+        "if int(os.environ['PMI_RANK']) == 1:\n"
+        "    time.sleep(60)  # busy elsewhere: never builds the strategy\n"
+        "options = aiodist.CommunicationOptions(timeout_seconds=1.5)\n"
+        "aiodist.MultiWorkerMirroredStrategy(1, communication_options=options)\n"
+    )
+    rc, _, output, seconds = _launch(2, "-c", program)
+    assert rc != 0 and seconds < 30, output[-3000:]
+    assert "starting MultiWorkerMirroredStrategy: timed out after 1.5 s" in output
+    assert "waiting for the other workers (2 in this job)" in output
