@@ -128,27 +128,54 @@ class ReplicaSlot(NamedTuple):
     stream: Any
 
 
+_LAYOUTS: dict[int, tuple] = {}  # id(slots) -> (slots, devices, streams)
+
+
+def _layout(slots: tuple[ReplicaSlot, ...]) -> tuple[tuple, tuple]:
+    """The slots' devices and streams, computed once per tuple of slots (a
+    strategy's never changes) instead of once per run."""
+    known = _LAYOUTS.get(id(slots))
+    if known is None or known[0] is not slots:
+        known = _LAYOUTS[id(slots)] = (
+            slots,
+            tuple(slot.device for slot in slots),
+            tuple(slot.stream for slot in slots),
+        )
+        if len(_LAYOUTS) > 256:  # strategies come and go (tests): forget the oldest
+            del _LAYOUTS[next(iter(_LAYOUTS))]
+    return known[1], known[2]
+
+
 class RunGroup:
-    """The replicas of one ``strategy.run`` and their rendezvous."""
+    """The replicas of one ``strategy.run`` and their rendezvous.
+
+    Attributes that most runs never change are class-level defaults, and the
+    containers only some runs need are made on first use: a run is built on
+    every step, and each attribute set costs.
+    """
+
+    # A run whose replicas never meet creates no rendezvous.
+    _rendezvous: Rendezvous | None = None
+    _finished = False
+    bytes_reduced = 0  # statistics: input bytes of all-reduces and all-gathers
+    _failure: BaseException | None = None
+    _cancelling = False  # set once this run cancels its replicas
+    _base: contextvars.Context | None = None
+    _run_id = 0  # this run's number in the trace being recorded, if any
+    _remaining = 0  # replicas still running
+    _all_done: asyncio.Future | None = None  # set when none is
+    # Made on first use: replica exits before the rendezvous existed; merge_fn
+    # tasks; (call, replica) -> arrival time while tracing.
+    _exits: tuple | list = ()
+    _aux: tuple | set = ()
+    _arrivals: dict[tuple[int, int], float] | None = None
 
     def __init__(self, strategy: Strategy, slots: tuple[ReplicaSlot, ...]):
         self.strategy = strategy
         self.slots = slots
         self.num_replicas = len(slots)
-        self.devices = tuple(slot.device for slot in slots)
-        self.streams = tuple(slot.stream for slot in slots)
-        # A run whose replicas never meet creates no rendezvous.
-        self._rendezvous: Rendezvous | None = None
-        self._exits: list[tuple[int, str]] = []  # replica exits before the rendezvous existed
-        self._finished = False
-        self.bytes_reduced = 0  # statistics: input bytes of all-reduces and all-gathers
-        self._aux: set[asyncio.Task] = set()
+        self.devices, self.streams = _layout(slots)
         self._tasks: list[asyncio.Task] = []
-        self._failure: BaseException | None = None
-        self._cancelling = False  # set once this run cancels its replicas
-        self._base: contextvars.Context | None = None
-        self._run_id = 0  # this run's number in the trace being recorded, if any
-        self._arrivals: dict[tuple[int, int], float] = {}  # (call, replica) -> time (tracing)
 
     def __repr__(self) -> str:
         return f"<RunGroup replicas={self.num_replicas} {self._rendezvous!r}>"
@@ -171,6 +198,8 @@ class RunGroup:
 
     def _replica_exited(self, replica: int, how: str) -> None:
         if self._rendezvous is None:
+            if not self._exits:
+                self._exits = []
             self._exits.append((replica, how))
         else:
             self._rendezvous.replica_exited(replica, how)
@@ -194,12 +223,14 @@ class RunGroup:
         label = f"{signature.name} #{number}"
         track = replica_track(replica_id)
         tracer.instant(f"arrive {label}", "rendezvous", track, arrived, run=self._run_id)
+        if self._arrivals is None:
+            self._arrivals = {}
         self._arrivals[number, replica_id] = arrived
 
     def _trace_waits(self, tracer: Tracer, number: int, label: str, completed: float) -> None:
         """Each replica waited in call ``number`` from its arrival until ``completed``."""
         for replica in range(self.num_replicas):
-            arrived = self._arrivals.pop((number, replica), None)
+            arrived = self._arrivals.pop((number, replica), None) if self._arrivals else None
             if arrived is not None:
                 track = replica_track(replica)
                 tracer.span(f"wait {label}", "rendezvous", track, arrived, completed)
@@ -212,20 +243,9 @@ class RunGroup:
         set_state = _context.set_state
         base.run(set_state, _context.replica_state(self.strategy, None))
         self._base = base
-        all_done = loop.create_future()
-        n = self.num_replicas
-        remaining = n
-
-        def on_done(rid: int, task: asyncio.Task) -> None:
-            nonlocal remaining
-            remaining -= 1
-            if task.cancelled() or task.exception() is not None:
-                self._replica_failed(rid, task)
-            else:
-                self._replica_exited(rid, "returned")
-            if remaining == 0 and not all_done.done():
-                all_done.set_result(None)
-
+        self._all_done = all_done = loop.create_future()
+        n = self._remaining = self.num_replicas
+        on_done = self._on_done
         coroutines = self._coroutines(fn, args, kwargs)
         strategy = self.strategy
         tracer = _trace.active
@@ -249,7 +269,7 @@ class RunGroup:
                 task = make_task(coro, name=name, context=context)
             else:
                 task = loop.create_task(coro, name=name, context=context)
-            task.add_done_callback(partial(on_done, rid))
+            task.add_done_callback(on_done)
             self._tasks.append(task)
 
         try:
@@ -276,6 +296,18 @@ class RunGroup:
         if n == 1:
             return results[0]
         return regroup(results, self.devices)
+
+    def _on_done(self, task: asyncio.Task) -> None:
+        """A replica's task finished. One bound method for every task (its replica
+        is its place in ``_tasks``): no closure or partial per replica per run."""
+        self._remaining -= 1
+        rid = self._tasks.index(task)
+        if task.cancelled() or task.exception() is not None:
+            self._replica_failed(rid, task)
+        else:
+            self._replica_exited(rid, "returned")
+        if self._remaining == 0 and not self._all_done.done():
+            self._all_done.set_result(None)
 
     def _coroutines(self, fn: Callable, args: Sequence, kwargs: dict) -> list:
         """One coroutine per replica, made before any task starts.
@@ -439,6 +471,8 @@ class RunGroup:
         """A task doing cross-replica work for this run: cancelled with the run's
         replicas and waited for by ``_drain``."""
         task = get_running_loop().create_task(coro, context=context)
+        if type(self._aux) is tuple:  # the first merge task of this run
+            self._aux = set()
         self._aux.add(task)
         task.add_done_callback(self._aux.discard)
         return task
