@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -347,8 +348,27 @@ def communicators(indices: tuple[int, ...]) -> list:
 
 def unique_id() -> bytes:
     """A new NCCL unique id (``NCCL_UNIQUE_ID_BYTES`` = 128 bytes), made by the
-    process that will send it to the others."""
-    return bytes(_nccl().get_unique_id())
+    process that will send it to the others. CuPy 14 gives bytes; CuPy 13 a
+    tuple of signed chars."""
+    made = _nccl().get_unique_id()
+    if isinstance(made, bytes):
+        return made
+    return bytes(b & 0xFF for b in made)
+
+
+def _comm_id(uid: bytes) -> Any:
+    """``uid`` as this CuPy's ``NcclCommunicator`` takes it: bytes from CuPy 14 on,
+    a tuple of signed chars before."""
+    if int(cupy.__version__.split(".")[0]) >= 14:
+        return uid
+    return tuple(b - 256 if b > 127 else b for b in uid)
+
+
+def gpu_identities(indices: tuple[int, ...]) -> list[str]:
+    """``host/PCI bus id`` of each GPU: the same GPU gives the same string in every
+    process of one host, whatever ``CUDA_VISIBLE_DEVICES`` numbers it."""
+    host = socket.gethostname()
+    return [f"{host}/{cupy.cuda.Device(index).pci_bus_id}" for index in indices]
 
 
 def world_communicators(uid: bytes, total: int, first_rank: int, indices: tuple[int, ...]) -> list:
@@ -368,7 +388,7 @@ def world_communicators(uid: bytes, total: int, first_rank: int, indices: tuple[
         try:
             for i, index in enumerate(indices):
                 with cupy.cuda.Device(index):  # a rank belongs to the current device
-                    comms.append(nccl.NcclCommunicator(total, uid, first_rank + i))
+                    comms.append(nccl.NcclCommunicator(total, _comm_id(uid), first_rank + i))
         finally:
             nccl.groupEnd()
         _communicators[key] = comms

@@ -62,7 +62,6 @@ import numpy as np
 from . import _poll
 from ._devices import Device
 from ._errors import (
-    AiodistError,
     CollectiveMismatchError,
     DeviceError,
     InvalidArgumentError,
@@ -96,6 +95,12 @@ def import_mpi() -> Any:
             "every worker with mpiexec -n <workers> python your_program.py."
         ) from None
     return MPI
+
+
+def _short(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters once non-ASCII ones are escaped (JSON
+    would escape them anyway, to up to 12 bytes each)."""
+    return text.encode("ascii", "backslashreplace").decode()[:limit]
 
 
 def _span(first: int, count: int) -> str:
@@ -184,7 +189,12 @@ class World:
     """
 
     def __init__(
-        self, local_replicas: int, kind: str, timeout: float | None, failure: str | None = None
+        self,
+        local_replicas: int,
+        kind: str,
+        timeout: float | None,
+        failure: str | None = None,
+        gpus: Sequence[str] = (),
     ):
         self.MPI = MPI = import_mpi()
         self.rank = MPI.COMM_WORLD.Get_rank()
@@ -206,6 +216,7 @@ class World:
             replicas=local_replicas,
             kind=kind,
             failure=failure,
+            gpus=list(gpus),
         )
         self.counts = [int(h["replicas"]) for h in headers]
         failed = [(w, h["failure"]) for w, h in enumerate(headers) if h["failure"]]
@@ -224,6 +235,19 @@ class World:
                 "workers hold replicas of different kinds ("
                 + ", ".join(f"worker {w}: {k}" for w, k in enumerate(kinds))
                 + "); every worker's replicas must be all CPU or all GPU."
+            )
+        users: dict[str, list[int]] = {}
+        for w, h in enumerate(headers):
+            for gpu in h["gpus"]:
+                users.setdefault(gpu, []).append(w)
+        shared = {gpu: ws for gpu, ws in users.items() if len(ws) > 1}
+        if shared:
+            # NCCL serves one rank per GPU: it would fail or wait inside groupEnd.
+            raise DeviceError(
+                "workers share GPUs ("
+                + "; ".join(f"{gpu} by workers {ws}" for gpu, ws in shared.items())
+                + "); give every worker GPUs of its own, for example "
+                "devices_per_worker=[f'GPU:{local_rank}']."
             )
         self.offsets = [sum(self.counts[:w]) for w in range(self.size)]
         self.total = sum(self.counts)
@@ -274,6 +298,17 @@ class World:
         finally:
             self.in_flight -= 1
 
+    @contextlib.contextmanager
+    def issuing(self, what: str) -> Any:
+        """Around NCCL calls issued after the headers agreed: the other workers have
+        issued theirs and their GPUs wait for this worker's ranks, so a failure
+        here (out of memory, an NCCL error) loses the order for good."""
+        try:
+            yield
+        except BaseException as exc:
+            self._lost(what, f"failed after every worker had agreed to it ({exc!r})")
+            raise
+
     # -- waiting (on the loop, or on a synchronous caller's thread) --------------------
 
     async def _wait(
@@ -303,16 +338,17 @@ class World:
 
     def _post_headers(self, what: str, key: str, extra: dict) -> _Posted:
         self._usable()
-        self.order += 1
         if len(key) > 512:  # long structures: their digest is what must agree
             key = hashlib.sha256(key.encode()).hexdigest()
-        mine = {"order": self.order, "what": what[:2000], "key": key, **extra}
+        mine = {"order": self.order + 1, "what": _short(what, 2000), "key": key, **extra}
         data = json.dumps(mine).encode()
         if len(data) > _HEADER_BYTES:
+            # Before taking a place in the order: this worker's numbering stays right.
             raise InvalidArgumentError(
                 f"{what}: too many values for one cross-worker call ({len(data)} bytes of "
                 "description); pass fewer leaves per call."
             )
+        self.order += 1
         send = np.zeros(_HEADER_BYTES, np.uint8)
         send[: len(data)] = np.frombuffer(data, np.uint8)
         MPI, comm = self.MPI, self.comm
@@ -482,6 +518,29 @@ class World:
         raw = np.frombuffer(mine, np.uint8)
         return self.broadcast_now(raw, "the NCCL unique id", timeout).tobytes()
 
+    def bounded(self, fn: Callable[[], Any], what: str, timeout: float | None) -> Any:
+        """``fn()`` on a helper thread, waited for at most ``timeout``: for calls that
+        wait for every worker inside a library (NCCL's ``groupEnd`` when creating
+        ranks) and would wait forever for a worker that failed."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def call() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        threading.Thread(target=call, name="aiodist-bounded", daemon=True).start()
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise self._break(
+                RendezvousTimeoutError(
+                    f"{what}: timed out after {timeout:g} s; a worker failed or is stuck "
+                    "before joining it. Stop every worker and restart the job."
+                )
+            ) from None
+
     def all_reduce_now(
         self, op: ReduceOp, buffer: np.ndarray, what: str, timeout: float | None
     ) -> np.ndarray:
@@ -648,26 +707,36 @@ class _WorkerGroup(RunGroup):
         world, comms = self.strategy._world, self.strategy._nccl
         backend = self.slots[0].backend
         if name == "all_reduce":
-            await world.agree(what, key, timeout)
+            # The packs decide how many NCCL calls are made: they must agree too.
             packs = self.strategy.extended._cross_device_ops.num_packs
-            return _cuda.all_reduce(
-                first.op,
-                arrays,
-                self.devices,
-                self.streams,
-                packs,
-                first.options.bytes_per_pack,
-                backend,
-                comms=comms,
-                count=world.total,
-            )
+            key = f"{key} packs={packs},{first.options.bytes_per_pack}"
+            await world.agree(what, key, timeout)
+            with world.issuing(what):
+                return _cuda.all_reduce(
+                    first.op,
+                    arrays,
+                    self.devices,
+                    self.streams,
+                    packs,
+                    first.options.bytes_per_pack,
+                    backend,
+                    comms=comms,
+                    count=world.total,
+                )
         axis = first.axis
         lengths = [[leaves[i].shape[axis] for leaves in arrays] for i in range(len(arrays[0]))]
         headers = await world.agree(what, key, timeout, lengths=lengths)
         every = [[n for h in headers for n in h["lengths"][i]] for i in range(len(lengths))]
-        return _cuda.all_gather(
-            arrays, axis, self.devices, self.streams, backend, comms=comms, lengths_by_leaf=every
-        )
+        with world.issuing(what):
+            return _cuda.all_gather(
+                arrays,
+                axis,
+                self.devices,
+                self.streams,
+                backend,
+                comms=comms,
+                lengths_by_leaf=every,
+            )
 
 
 class _MultiWorkerExtended(StrategyExtended):
@@ -740,19 +809,23 @@ class MultiWorkerMirroredStrategy(Strategy):
         devices_per_worker: Any = None,
         communication_options: CommunicationOptions | None = None,
     ):
-        failure: AiodistError | None = None
+        failure: Exception | None = None
+        gpus: list[str] = []
         try:  # everything local first: a failure is told to the other workers
             devices = local_devices(devices_per_worker)
             options = _worker_options(communication_options)
             if devices[0].kind == "GPU":
                 NcclAllReduce()._check_devices(devices)
-        except AiodistError as exc:
+                from . import _cuda
+
+                gpus = _cuda.gpu_identities(tuple(d.index for d in devices))
+        except Exception as exc:
             failure = exc
             devices = ()
             options = CommunicationOptions(timeout_seconds=DEFAULT_TIMEOUT_SECONDS)
         kind = devices[0].kind if devices else "CPU"
-        text = None if failure is None else f"{type(failure).__name__}: {failure}"[:1500]
-        world = World(len(devices), kind, options.timeout_seconds, text)
+        text = None if failure is None else _short(f"{type(failure).__name__}: {failure}", 1500)
+        world = World(len(devices), kind, options.timeout_seconds, text, gpus)
         if failure is not None:
             raise failure
         self._world = world
@@ -763,9 +836,14 @@ class MultiWorkerMirroredStrategy(Strategy):
             super().__init__(devices, NcclAllReduce(), options)  # checks NCCL, the GPUs
             from . import _cuda
 
-            uid = world.nccl_unique_id(options.timeout_seconds)
+            timeout = options.timeout_seconds
+            uid = world.nccl_unique_id(timeout)
             indices = tuple(d.index for d in devices)
-            self._nccl = _cuda.world_communicators(uid, world.total, self._replica_offset, indices)
+            self._nccl = world.bounded(
+                lambda: _cuda.world_communicators(uid, world.total, self._replica_offset, indices),
+                "creating the NCCL communicator over every worker's GPUs",
+                timeout,
+            )
         else:
             super().__init__(devices, ReductionToOneDevice(), options)
         self._extended = _MultiWorkerExtended(self, self._extended._cross_device_ops)

@@ -61,5 +61,8 @@ def test_nccl_apis_exist():
     # the others over MPI) and the one-rank constructor taking it.
     uid = cuda.unique_id()
     assert isinstance(uid, bytes) and len(uid) == 128
-    assert "ndev (int)" in communicator.__doc__ and "commId (bytes)" in communicator.__doc__
+    taken = "bytes" if int(cupy.__version__.split(".")[0]) >= 14 else "tuple"
+    assert type(cuda._comm_id(uid)).__name__ == taken
+    assert "ndev (int)" in communicator.__doc__ and f"commId ({taken})" in communicator.__doc__
     assert "rank (int)" in communicator.__doc__
+    assert hasattr(cupy.cuda.Device, "pci_bus_id")  # gpu_identities: one GPU, one name

@@ -238,6 +238,20 @@ def test_gpu_replicas_across_workers_equal_one_process(per_worker, loop):
     assert _close(per_replica, expected["per_replica"])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    visible_gpu_count() == 0,
+    reason="needs CuPy and a CUDA GPU (pip install 'aiodist[cuda12]' or 'aiodist[cuda13]')",
+)
+def test_workers_sharing_a_gpu_are_refused_on_every_worker():
+    """NCCL serves one rank per GPU: two workers on GPU:0 would fail or wait
+    inside NCCL, so both refuse at start-up, naming the GPU."""
+    program = "import aiodist\naiodist.MultiWorkerMirroredStrategy(['GPU:0'])\n"
+    rc, _, output, seconds = _launch(2, "-c", program)
+    assert rc != 0 and seconds < 30, output[-3000:]
+    assert output.count("workers share GPUs") == 2, output[-3000:]
+
+
 def test_a_worker_that_cannot_build_its_strategy_stops_every_worker():
     """Worker 1 asks for a GPU: without CuPy it cannot build its strategy, and
     says so to the others, which raise naming it instead of waiting for it. (On a
