@@ -128,24 +128,6 @@ class ReplicaSlot(NamedTuple):
     stream: Any
 
 
-_LAYOUTS: dict[int, tuple] = {}  # id(slots) -> (slots, devices, streams)
-
-
-def _layout(slots: tuple[ReplicaSlot, ...]) -> tuple[tuple, tuple]:
-    """The slots' devices and streams, computed once per tuple of slots (a
-    strategy's never changes) instead of once per run."""
-    known = _LAYOUTS.get(id(slots))
-    if known is None or known[0] is not slots:
-        known = _LAYOUTS[id(slots)] = (
-            slots,
-            tuple(slot.device for slot in slots),
-            tuple(slot.stream for slot in slots),
-        )
-        if len(_LAYOUTS) > 256:  # strategies come and go (tests): forget the oldest
-            del _LAYOUTS[next(iter(_LAYOUTS))]
-    return known[1], known[2]
-
-
 class RunGroup:
     """The replicas of one ``strategy.run`` and their rendezvous.
 
@@ -174,7 +156,11 @@ class RunGroup:
         self.strategy = strategy
         self.slots = slots
         self.num_replicas = len(slots)
-        self.devices, self.streams = _layout(slots)
+        if slots is strategy._slots:  # every run of the library: computed once
+            self.devices, self.streams = strategy._devices, strategy._streams
+        else:
+            self.devices = tuple(slot.device for slot in slots)
+            self.streams = tuple(slot.stream for slot in slots)
         self._tasks: list[asyncio.Task] = []
 
     def __repr__(self) -> str:
@@ -198,7 +184,7 @@ class RunGroup:
 
     def _replica_exited(self, replica: int, how: str) -> None:
         if self._rendezvous is None:
-            if not self._exits:
+            if type(self._exits) is tuple:  # the first exit before a rendezvous
                 self._exits = []
             self._exits.append((replica, how))
         else:

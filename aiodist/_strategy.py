@@ -255,6 +255,7 @@ class Strategy:
             ReplicaSlot(i, device, backend_for(device), backend_for(device).new_stream(device))
             for i, device in enumerate(self._devices)
         )
+        self._streams = tuple(slot.stream for slot in self._slots)  # read by every run
         self._extended = StrategyExtended(self, cross_device_ops)
         self._live_groups: set = set()  # runs in flight (statistics, stall reports)
         self._counters = Counters()
