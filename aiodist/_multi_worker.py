@@ -477,11 +477,16 @@ class World:
         self, op: ReduceOp, buffer: np.ndarray, what: str, timeout: float | None
     ) -> np.ndarray:
         """``buffer`` (this worker's contiguous share) reduced with ``op`` across workers."""
+        start, finish = self._all_reduce_call(op, buffer, what)
+        await self._data(start, what, timeout)
+        return finish()
+
+    def _all_reduce_call(self, op: ReduceOp, buffer: np.ndarray, what: str) -> tuple:
+        """(``start``: posts the ``Iallreduce``, ``finish``: its result) for ``buffer``."""
         send, restore = _travel(buffer, op, what)
         out = np.empty_like(send)
         mpi_op = getattr(self.MPI, _MPI_OPS[op])
-        await self._data(lambda: self.comm.Iallreduce(send, out, op=mpi_op), what, timeout)
-        return restore(out)
+        return lambda: self.comm.Iallreduce(send, out, op=mpi_op), lambda: restore(out)
 
     async def all_gather_bytes(
         self, data: np.ndarray, sizes: Sequence[int], what: str, timeout: float | None
@@ -546,11 +551,9 @@ class World:
     ) -> np.ndarray:
         """``all_reduce`` for synchronous code, headers included (shapes must agree)."""
         self.agree_now(what, f"all_reduce {op.name} {buffer.dtype.str}{buffer.shape}", timeout)
-        send, restore = _travel(buffer, op, what)
-        out = np.empty_like(send)
-        mpi_op = getattr(self.MPI, _MPI_OPS[op])
-        self._data_now(lambda: self.comm.Iallreduce(send, out, op=mpi_op), what, timeout)
-        return restore(out)
+        start, finish = self._all_reduce_call(op, buffer, what)
+        self._data_now(start, what, timeout)
+        return finish()
 
 
 def _travel(buffer: np.ndarray, op: ReduceOp, what: str) -> tuple:
@@ -673,13 +676,13 @@ class _WorkerGroup(RunGroup):
         timeout = first.options.timeout_seconds
         what = f"{signature.text}, call #{number}"
         key = repr((signature.name, signature.key))
-        ops = strategy.extended._cross_device_ops
         arrays = [payload.arrays for payload in payloads]
-        devices, options, streams = self.devices, first.options, self.streams
         if strategy._nccl is not None:  # GPU replicas: one NCCL call over every worker
             with world.operation():
                 out = await self._nccl_across(first, signature.name, arrays, what, key, timeout)
             return self._per_replica(payloads, out)
+        ops = strategy.extended._cross_device_ops
+        devices, options, streams = self.devices, first.options, self.streams
         with world.operation():
             if signature.name == "all_reduce":
                 op = first.op
@@ -814,8 +817,10 @@ class MultiWorkerMirroredStrategy(Strategy):
         try:  # everything local first: a failure is told to the other workers
             devices = local_devices(devices_per_worker)
             options = _worker_options(communication_options)
-            if devices[0].kind == "GPU":
-                NcclAllReduce()._check_devices(devices)
+            gpu = devices[0].kind == "GPU"
+            ops = NcclAllReduce() if gpu else ReductionToOneDevice()
+            ops._check_devices(devices)  # NCCL and the GPUs, before telling the others
+            if gpu:
                 from . import _cuda
 
                 gpus = _cuda.gpu_identities(tuple(d.index for d in devices))
@@ -830,12 +835,10 @@ class MultiWorkerMirroredStrategy(Strategy):
             raise failure
         self._world = world
         self._replica_offset = world.offsets[world.rank]
+        super().__init__(devices, ops, options)
         # This worker's ranks of the NCCL communicator over every worker's GPUs.
         self._nccl: list | None = None
-        if kind == "GPU":
-            super().__init__(devices, NcclAllReduce(), options)  # checks NCCL, the GPUs
-            from . import _cuda
-
+        if gpu:
             timeout = options.timeout_seconds
             uid = world.nccl_unique_id(timeout)
             indices = tuple(d.index for d in devices)
@@ -844,8 +847,6 @@ class MultiWorkerMirroredStrategy(Strategy):
                 "creating the NCCL communicator over every worker's GPUs",
                 timeout,
             )
-        else:
-            super().__init__(devices, ReductionToOneDevice(), options)
         self._extended = _MultiWorkerExtended(self, self._extended._cross_device_ops)
         self._locks: dict[Any, asyncio.Lock] = {}
 
