@@ -97,23 +97,36 @@ async def test_batch_failure_reaches_every_caller_and_serving_goes_on(two):
     await batcher.stop()
 
 
-async def test_overload_is_immediate_and_recovers(two):
+async def _full_queue(strategy, max_batch_size: int, running_rows: int, queued_rows: list):
+    """A started batcher (max_queue_rows=4, one batch in flight) whose first batch
+    (``running_rows`` rows) is held at ``gate`` and whose queue is full with
+    requests of ``queued_rows`` rows: (batcher, gate, running, queued)."""
     gate = asyncio.Event()
-    batches_run = []
+    ran = []
 
     async def gated(rows):
-        batches_run.append(len(rows))
+        ran.append(len(rows))
         await gate.wait()
         return rows
 
     batcher = Batcher(
-        two, gated, max_batch_size=2, max_queue_rows=4, max_wait_seconds=0, max_batches_in_flight=1
+        strategy,
+        gated,
+        max_batch_size=max_batch_size,
+        max_queue_rows=4,
+        max_wait_seconds=0,
+        max_batches_in_flight=1,
     )
     await batcher.start()
-    running = asyncio.create_task(batcher.submit(np.ones((2, 1))))
-    await wait_until(lambda: batches_run, "the first batch runs")
-    queued = [asyncio.create_task(batcher.submit(np.ones((2, 1)))) for _ in range(2)]
+    running = asyncio.create_task(batcher.submit(np.ones((running_rows, 1))))
+    await wait_until(lambda: ran, "the first batch runs")
+    queued = [asyncio.create_task(batcher.submit(np.ones((rows, 1)))) for rows in queued_rows]
     await wait_until(lambda: batcher.queued_rows == 4, "queue full")
+    return batcher, gate, running, queued
+
+
+async def test_overload_is_immediate_and_recovers(two):
+    batcher, gate, running, queued = await _full_queue(two, 2, 2, [2, 2])
     started = time.perf_counter()
     with pytest.raises(Overloaded, match=r"4 rows are already queued \(max_queue_rows=4\)"):
         await batcher.submit(np.ones((1, 1)))
@@ -377,22 +390,7 @@ async def test_mixed_widths_in_one_batch_fail_that_batch_not_hang(two):
 
 
 async def test_cancelled_queued_rows_free_admission_at_once(two):
-    gate = asyncio.Event()
-    ran = []
-
-    async def gated(rows):
-        ran.append(len(rows))
-        await gate.wait()
-        return rows
-
-    batcher = Batcher(
-        two, gated, max_batch_size=4, max_queue_rows=4, max_wait_seconds=0, max_batches_in_flight=1
-    )
-    await batcher.start()
-    running = asyncio.create_task(batcher.submit(np.ones((1, 1))))
-    await wait_until(lambda: ran, "first batch running")
-    queued = asyncio.create_task(batcher.submit(np.ones((4, 1))))
-    await wait_until(lambda: batcher.queued_rows == 4, "queue full")
+    batcher, gate, running, (queued,) = await _full_queue(two, 4, 1, [4])
     queued.cancel()
     await asyncio.gather(queued, return_exceptions=True)
     assert batcher.queued_rows == 0

@@ -114,14 +114,19 @@ async def test_drive_forwards_exceptions_and_cancellation_under_activation():
     assert backend.current == "default"
 
 
-async def test_scheduler_runs_each_replica_on_its_stream_and_brackets_collectives():
-    backend = TrackingBackend()
+def _tracked_group(backend: TrackingBackend) -> RunGroup:
+    """A run of two CPU replicas whose slots use ``backend`` (its streams)."""
     strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:1"])
-    slots = [
+    slots = tuple(
         ReplicaSlot(i, Device("CPU", i), backend, backend.new_stream(Device("CPU", i)))
         for i in range(2)
-    ]
-    group = RunGroup(strategy, slots)
+    )
+    return RunGroup(strategy, slots)
+
+
+async def test_scheduler_runs_each_replica_on_its_stream_and_brackets_collectives():
+    backend = TrackingBackend()
+    group = _tracked_group(backend)
     observed = {0: [], 1: []}
 
     async def fn():
@@ -146,11 +151,6 @@ async def test_scheduler_runs_each_replica_on_its_stream_and_brackets_collective
 
 async def test_async_merge_fn_steps_on_the_cross_streams_and_only_there():
     backend = TrackingBackend()
-    strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:1"])
-    slots = [
-        ReplicaSlot(i, Device("CPU", i), backend, backend.new_stream(Device("CPU", i)))
-        for i in range(2)
-    ]
     in_merge, bystander, after = [], [], []
     stop = asyncio.Event()
 
@@ -173,7 +173,7 @@ async def test_async_merge_fn_steps_on_the_cross_streams_and_only_there():
 
     watcher = asyncio.create_task(watch())
     try:
-        assert await RunGroup(strategy, slots).run(fn, (), {}) == "merged"
+        assert await _tracked_group(backend).run(fn, (), {}) == "merged"
     finally:
         stop.set()
         await watcher
