@@ -29,6 +29,18 @@ def assert_tensor(value, expected, dtype) -> None:
     np.testing.assert_array_equal(array, expected)
 
 
+def assert_two_lists(local, first, second, dtype) -> None:
+    """``local`` (``experimental_local_results`` on two replicas) holds one
+    two-element list per replica: ``[first, second]`` as TensorFlow shows them."""
+    assert isinstance(local, tuple)
+    assert len(local) == 2, f"expected one list per replica, got {local!r}"
+    for per_replica in local:
+        assert isinstance(per_replica, list)
+        assert len(per_replica) == 2
+        assert_tensor(per_replica[0], first, dtype)
+        assert_tensor(per_replica[1], second, dtype)
+
+
 def assert_per_replica(value, expected: list, dtype) -> None:
     """``value`` is a PerReplica whose components equal ``expected`` (one per replica)."""
     assert isinstance(value, PerReplica), f"expected PerReplica, got {type(value).__name__}"
@@ -108,13 +120,7 @@ async def test_replica_context_all_reduce_batched_list_local_results(two):
 
     local = two.experimental_local_results(await two.run(step_fn))
 
-    assert isinstance(local, tuple)
-    assert len(local) == 2, f"expected one list per replica, got {local!r}"
-    for per_replica in local:
-        assert isinstance(per_replica, list)
-        assert len(per_replica) == 2
-        assert_tensor(per_replica[0], 2.0, np.float32)
-        assert_tensor(per_replica[1], 4.0, np.float32)
+    assert_two_lists(local, 2.0, 4.0, np.float32)
 
 
 async def test_replica_context_all_reduce_batched_list_run_result(two):
@@ -186,13 +192,7 @@ async def test_all_gather_nested_list_local_results(two):
     replica."""
     local = two.experimental_local_results(await two.run(gather_nest))
 
-    assert isinstance(local, tuple)
-    assert len(local) == 2, f"expected one list per replica, got {local!r}"
-    for per_replica in local:
-        assert isinstance(per_replica, list)
-        assert len(per_replica) == 2
-        assert_tensor(per_replica[0], GATHERED_1, np.int32)
-        assert_tensor(per_replica[1], GATHERED_2, np.int32)
+    assert_two_lists(local, GATHERED_1, GATHERED_2, np.int32)
 
 
 # -- StrategyExtended.call_for_each_replica (distribute_lib.py) ------------------------
