@@ -159,8 +159,9 @@ def test_concurrent_runs_are_serialised_and_all_correct():
         assert result == [4.0 * 4 * k for k in range(4)]
 
 
-def test_a_synchronous_read_during_a_cross_worker_call_is_refused_not_deadlocked():
-    rc, results, output, _ = _program(2, "busy", [2, 1])
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_synchronous_read_during_a_cross_worker_call_is_refused_not_deadlocked(loop):
+    rc, results, output, _ = _program(2, "busy", [2, 1], loop=loop)
     assert rc == 0, output[-3000:]
     for result in results.values():
         assert "while 1 asynchronous one(s) of this worker are in flight" in result["refused"]
