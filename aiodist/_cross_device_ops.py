@@ -22,7 +22,6 @@ replica would only cost bandwidth). Copy a result (``x.copy()``) to modify it.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from operator import attrgetter
 from typing import Any
@@ -80,9 +79,13 @@ def resolve_destinations(destinations: Any) -> tuple[Device, ...]:
     return devices
 
 
-@functools.lru_cache(maxsize=256)
-def _all_cpu(devices: tuple[Device, ...]) -> bool:
-    return all(device.kind == "CPU" for device in devices)
+_KIND = attrgetter("kind")
+
+
+def _all_cpu(devices: Sequence[Device]) -> bool:
+    # C-level iteration, no hashing: Device's dataclass __hash__ is a Python call per
+    # device, which made a cache keyed by the devices cost more than this scan.
+    return "GPU" not in map(_KIND, devices)
 
 
 _DTYPE = attrgetter("dtype")
@@ -133,7 +136,7 @@ class CrossDeviceOps:
 
     def _broadcast_array(self, array: Any, destinations: Sequence[Device]) -> list:
         """One handle on ``array`` per destination (read-only views on CPU devices)."""
-        if type(array) is np.ndarray and _all_cpu(tuple(destinations)):
+        if type(array) is np.ndarray and _all_cpu(destinations):
             # Logical CPU devices share host memory: a read-only view each, no copy.
             shared = array.view()
             shared.flags.writeable = False

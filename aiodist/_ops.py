@@ -50,6 +50,10 @@ class ReduceOp(enum.Enum):
     MAX = "MAX"
     PRODUCT = "PRODUCT"
 
+    # Members are singletons compared by identity, so they hash by identity too:
+    # Enum's own __hash__ is a Python call, and ops key dicts on every collective.
+    __hash__ = object.__hash__
+
     @classmethod
     def _missing_(cls, value: object) -> ReduceOp:
         if isinstance(value, str) and value.upper() in _ROWS:
@@ -73,17 +77,17 @@ class ReduceOp(enum.Enum):
     @property
     def ufunc(self) -> str:
         """Name of the element-wise ufunc that combines two values."""
-        return _ROWS[self.value].ufunc
+        return self._row.ufunc
 
     @property
     def divides_by_count(self) -> bool:
         """True for MEAN: the combined value is divided by the number of values."""
-        return _ROWS[self.value].divide_by_count
+        return self._row.divide_by_count
 
     @property
     def nccl_op(self) -> str:
         """Name of the matching ``cupy.cuda.nccl`` constant."""
-        return _ROWS[self.value].nccl
+        return self._row.nccl
 
     def __repr__(self) -> str:
         return f"ReduceOp.{self.name}"
@@ -91,4 +95,7 @@ class ReduceOp(enum.Enum):
 
 _BY_KEY: dict = {}
 for _member in ReduceOp:
+    # Each member's row as a plain attribute: Enum's ``value`` is a descriptor, and
+    # ``divides_by_count`` is read on every reduction.
+    _member._row = _ROWS[_member.name]
     _BY_KEY.update({_member: _member, _member.name: _member, _member.name.lower(): _member})

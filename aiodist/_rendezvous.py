@@ -97,36 +97,48 @@ def _replicas(replicas: Sequence[int]) -> str:
 
 
 class _Call:
+    """One call number in flight: who arrived with what, and their futures.
+
+    Per-replica lists (``None`` where a replica has not arrived) rather than dicts:
+    one of these is built for every collective call, on the hot path.
+    """
+
     __slots__ = (
-        "arrivals",
+        "arrived",
         "failure",
         "first",
         "futures",
         "name",
         "next_warning",
         "number",
+        "payloads",
+        "signatures",
         "stall_after",
         "started",
         "timeout",
         "timer",
     )
 
-    def __init__(self, number: int, first: Signature, started: float):
+    def __init__(self, number: int, first: Signature, started: float, num_replicas: int):
         self.number = number
         self.name = first.name
         self.first = first  # the first arrival's signature, which the others must match
         self.started = started  # time.perf_counter() of the first arrival
+        self.arrived = 0  # how many replicas have arrived
+        self.signatures: list[Signature | None] = [None] * num_replicas
+        self.payloads: list[Any] = [None] * num_replicas
+        self.futures: list[asyncio.Future | None] = [None] * num_replicas
         self.stall_after: float | None = None
-        self.next_warning = 0.0  # seconds after `started` of the next stall report
-        self.arrivals: dict[int, tuple[Signature, Any]] = {}
-        self.futures: dict[int, asyncio.Future] = {}
         self.timer: asyncio.TimerHandle | None = None
-        self.timeout: float | None = None
         self.failure: BaseException | None = None
 
     @property
     def label(self) -> str:
         return f"{self.name} #{self.number}"
+
+    def arrivals(self) -> list[int]:
+        """The replicas that have arrived, in replica order."""
+        return [r for r, signature in enumerate(self.signatures) if signature is not None]
 
 
 Execute = Callable[[int, Signature, list], "list | asyncio.Future"]
@@ -160,7 +172,7 @@ class Rendezvous:
 
     def __repr__(self) -> str:
         pending = ", ".join(
-            f"{call.label} (arrived {_ids(list(call.arrivals))})" for call in self._pending.values()
+            f"{call.label} (arrived {_ids(call.arrivals())})" for call in self._pending.values()
         )
         return f"<Rendezvous replicas={self.num_replicas} pending=[{pending}]>"
 
@@ -190,7 +202,7 @@ class Rendezvous:
         call = self._pending.get(number)
         if call is None:
             now = perf_counter()  # not loop.time(): uvloop's clock ticks in milliseconds
-            call = self._pending[number] = _Call(number, signature, now)
+            call = self._pending[number] = _Call(number, signature, now, self.num_replicas)
             if timeout is not None:
                 call.timeout = timeout
                 call.timer = loop.call_later(timeout, self._time_out, call)
@@ -198,16 +210,22 @@ class Rendezvous:
                 call.stall_after = call.next_warning = stall_after
                 if self._watch is not None:
                     self._watch(now + stall_after)
-        call.arrivals[replica] = (signature, payload)
+        call.signatures[replica] = signature
+        call.payloads[replica] = payload
         call.futures[replica] = future
+        call.arrived += 1
 
+        first = call.first
         if call.failure is not None:
             future.set_exception(call.failure)
-        elif not signature.matches(call.first):
+        elif signature is not first and (
+            # Signature.matches, inlined: this runs for every arrival.
+            signature.key != first.key or signature.name != first.name
+        ):
             self._fail(call, CollectiveMismatchError(self._mismatch_message(call)))
         elif self._exited and (gone := self._exited_before(number)) is not None:
             self._fail(call, ReplicaExitedError(self._exit_message(call, *gone)))
-        elif len(call.arrivals) == self.num_replicas:
+        elif call.arrived == self.num_replicas:
             self._complete(call)
         return future
 
@@ -246,11 +264,12 @@ class Rendezvous:
         for every call in flight."""
         return [self._row(call) for call in self._pending.values() if call.failure is None]
 
-    def _missing(self, call: _Call) -> list[int]:
-        return [r for r in range(self.num_replicas) if r not in call.arrivals]
+    @staticmethod
+    def _missing(call: _Call) -> list[int]:
+        return [r for r, signature in enumerate(call.signatures) if signature is None]
 
     def _row(self, call: _Call) -> tuple[str, int, list[int], list[int], float]:
-        return (call.name, call.number, sorted(call.arrivals), self._missing(call), call.started)
+        return (call.name, call.number, call.arrivals(), self._missing(call), call.started)
 
     def due_stalls(self, now: float) -> tuple[list[tuple[str, int, list, list, float]], float]:
         """Calls in flight whose next stall report is due at ``now`` (perf_counter), as
@@ -275,13 +294,12 @@ class Rendezvous:
         del self._pending[call.number]
         if call.timer is not None:
             call.timer.cancel()
-        signature = call.first
-        arrivals = call.arrivals
-        payloads = [arrivals[r][1] for r in range(self.num_replicas)]
-        self.completed[call.name] = self.completed.get(call.name, 0) + 1
+        name = call.name
+        completed = self.completed
+        completed[name] = completed.get(name, 0) + 1
         self.wait_seconds += perf_counter() - call.started
         try:
-            results = self._execute(call.number, signature, payloads)
+            results = self._execute(call.number, call.first, call.payloads)
         except asyncio.CancelledError as exc:
             # Nothing was cancelled: the cross-replica code raised CancelledError itself.
             failure = RendezvousError(
@@ -299,10 +317,11 @@ class Rendezvous:
         else:
             self._deliver(call, results)
 
-    def _deliver(self, call: _Call, results: Sequence[Any]) -> None:
-        for replica, future in call.futures.items():
-            if not future.done():
-                future.set_result(results[replica])
+    @staticmethod
+    def _deliver(call: _Call, results: Sequence[Any]) -> None:
+        for future, result in zip(call.futures, results, strict=True):
+            if not future.done():  # a replica may have cancelled its wait
+                future.set_result(result)
 
     def _deliver_later(self, call: _Call, done: asyncio.Future) -> None:
         if done.cancelled():
@@ -317,8 +336,8 @@ class Rendezvous:
         if call.timer is not None:
             call.timer.cancel()
             call.timer = None
-        for future in call.futures.values():
-            if not future.done():
+        for future in call.futures:
+            if future is not None and not future.done():
                 future.set_exception(exc)
 
     def _time_out(self, call: _Call) -> None:
@@ -330,7 +349,7 @@ class Rendezvous:
             call,
             RendezvousTimeoutError(
                 f"{call.label}: timed out after {call.timeout:g} s waiting for "
-                f"{_replicas(missing)}; {_replicas(list(call.arrivals))} arrived. "
+                f"{_replicas(missing)}; {_replicas(call.arrivals())} arrived. "
                 f"Check that every missing replica reaches this call ({_ORDER_HINT}), or "
                 "raise CommunicationOptions(timeout_seconds=...) if they are just slow."
             ),
@@ -345,7 +364,7 @@ class Rendezvous:
         return None
 
     def _exit_message(self, call: _Call, replica: int, how: str) -> str:
-        waiting = sorted(call.arrivals)
+        waiting = call.arrivals()
         verb = "waits" if len(waiting) == 1 else "wait"
         return (
             f"{call.label}: replica {replica} {how} without calling it, while "
@@ -355,8 +374,9 @@ class Rendezvous:
 
     def _mismatch_message(self, call: _Call) -> str:
         by_text: dict[str, list[int]] = {}
-        for replica, (signature, _) in call.arrivals.items():
-            by_text.setdefault(signature.text, []).append(replica)
+        for replica, signature in enumerate(call.signatures):
+            if signature is not None:
+                by_text.setdefault(signature.text, []).append(replica)
         calls = "; ".join(f"{_replicas(ids)} called {text}" for text, ids in by_text.items())
         missing = self._missing(call)
         not_yet = f" ({_replicas(missing)} not arrived yet)" if missing else ""

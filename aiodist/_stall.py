@@ -41,7 +41,8 @@ def _is_wrapper(code: Any) -> bool:
     """aiodist's own coroutine wrappers: followed through, not shown (the user's
     frames are what a stall report is about)."""
     return code in (step_through.__code__, drive.__code__) or (
-        code.co_name == "_traced" and code.co_filename == _SCHEDULER_FILE
+        code.co_name in ("_traced", "_replica", "_plain_replica")
+        and code.co_filename == _SCHEDULER_FILE
     )
 
 
