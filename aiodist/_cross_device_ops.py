@@ -23,6 +23,7 @@ replica would only cost bandwidth). Copy a result (``x.copy()``) to modify it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
@@ -80,6 +81,7 @@ def resolve_destinations(destinations: Any) -> tuple[Device, ...]:
 
 
 _KIND = attrgetter("kind")
+_VIEW = np.ndarray.view
 
 
 def _all_cpu(devices: Sequence[Device]) -> bool:
@@ -138,9 +140,10 @@ class CrossDeviceOps:
         """One handle on ``array`` per destination (read-only views on CPU devices)."""
         if type(array) is np.ndarray and _all_cpu(destinations):
             # Logical CPU devices share host memory: a read-only view each, no copy.
+            # (setflags and map(view) instead of .flags and a comprehension: ~0.3 us.)
             shared = array.view()
-            shared.flags.writeable = False
-            return [shared, *[shared.view() for _ in range(len(destinations) - 1)]]
+            shared.setflags(write=False)
+            return [shared, *map(_VIEW, repeat(shared, len(destinations) - 1))]
         out, given = [], False
         for device in destinations:
             backend = backend_for(device)
@@ -155,6 +158,20 @@ class CrossDeviceOps:
             out.append(placed)
         return out
 
+    def _all_reduce_one(
+        self,
+        op: ReduceOp,
+        arrays: Sequence[Any],
+        devices: Sequence[Device],
+        options: CommunicationOptions,
+        streams: Sequence[Any] = (),
+    ) -> list:
+        """All-reduce one array per replica (``arrays[r]``): each replica's result.
+
+        The most common collective, so it skips the lists of leaves."""
+        reduced = self._reduce_arrays(op, arrays, self._gather_device(devices))
+        return self._broadcast_array(reduced, devices)
+
     def _all_reduce_flat(
         self,
         op: ReduceOp,
@@ -167,11 +184,11 @@ class CrossDeviceOps:
 
         ``streams`` are the replicas' streams (used by ops that issue on them).
         """
-        target = self._gather_device(devices)
         first = per_replica[0]
         if len(first) == 1:  # one array each: no packing
-            reduced = self._reduce_arrays(op, [leaves[0] for leaves in per_replica], target)
-            return [[view] for view in self._broadcast_array(reduced, devices)]
+            arrays = [leaves[0] for leaves in per_replica]
+            return [[result] for result in self._all_reduce_one(op, arrays, devices, options)]
+        target = self._gather_device(devices)
         out: list[list] = [[None] * len(first) for _ in per_replica]
         backend = backend_for(target)
         xp = backend.xp
@@ -446,6 +463,20 @@ class NcclAllReduce(CrossDeviceOps):
 
         backend = backend_for(destinations[0])
         return _cuda.broadcast(backend.asarray(array, destinations[0]), destinations, backend)
+
+    def _all_reduce_one(
+        self,
+        op: ReduceOp,
+        arrays: Sequence[Any],
+        devices: Sequence[Device],
+        options: CommunicationOptions,
+        streams: Sequence[Any] = (),
+    ) -> list:
+        per_replica = [[array] for array in arrays]
+        return [
+            leaves[0]
+            for leaves in self._all_reduce_flat(op, per_replica, devices, options, streams)
+        ]
 
     def _all_reduce_flat(
         self,

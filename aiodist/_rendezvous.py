@@ -164,7 +164,8 @@ class Rendezvous:
         self._next_number = [0] * num_replicas
         self._pending: dict[int, _Call] = {}
         self._exited: dict[int, tuple[int, str]] = {}  # replica -> (calls made, how)
-        self._closed: RendezvousError | None = None
+        # Set by close(): its reason, then the error built from it.
+        self._closed: str | RendezvousError | None = None
         # Counters (statistics): completed calls by collective; seconds calls waited
         # (from their first arrival to their last).
         self.completed: dict[str, int] = {}
@@ -196,7 +197,7 @@ class Rendezvous:
         number = self._next_number[replica]
         self._next_number[replica] = number + 1
         if self._closed is not None:
-            future.set_exception(self._closed)
+            future.set_exception(self._closed_error())
             return future
 
         call = self._pending.get(number)
@@ -247,17 +248,25 @@ class Rendezvous:
         """Fail every pending call and every later arrival; cancel timers."""
         self._execute = _closed  # drops the owner's bound method: no reference cycle
         if self._closed is None:
-            self._closed = RendezvousError(
-                f"the replica group is closed: {reason}. A collective belongs to the run "
-                "that started it: do not keep a ReplicaContext, or start a collective, "
-                "after that run has returned."
-            )
+            self._closed = reason  # the error is built when someone needs it (rarely)
+        if not self._pending:
+            return
         for call in list(self._pending.values()):
             if call.failure is None:
-                self._fail(call, self._closed)
+                self._fail(call, self._closed_error())
             elif call.timer is not None:
                 call.timer.cancel()
         self._pending.clear()
+
+    def _closed_error(self) -> RendezvousError:
+        """The one error every call failed by ``close`` raises."""
+        if not isinstance(self._closed, RendezvousError):
+            self._closed = RendezvousError(
+                f"the replica group is closed: {self._closed}. A collective belongs to the "
+                "run that started it: do not keep a ReplicaContext, or start a collective, "
+                "after that run has returned."
+            )
+        return self._closed
 
     def pending(self) -> list[tuple[str, int, list[int], list[int], float]]:
         """(name, call number, arrived, missing, perf_counter() of the first arrival)

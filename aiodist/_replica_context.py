@@ -19,8 +19,11 @@ import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from . import _context, _nest
+import numpy as np
+
+from . import _context, _nest, _trace
 from ._arrays import as_axis, check_reducible, gather_axis, structure_text
+from ._backends import cpu_backend
 from ._errors import ContextError, InvalidArgumentError
 from ._ops import ReduceOp
 from ._options import CommunicationOptions
@@ -186,13 +189,21 @@ class ReplicaContext:
         op = _OPS.get(reduce_op) if type(reduce_op) is str else None
         if op is None:
             op = ReduceOp.of(reduce_op)
-        options = self._options(options)
+        if options is None:
+            options = self._strategy._communication_options
+        else:
+            options = self._options(options)
         nested = isinstance(value, _NESTED)
         if nested or isinstance(value, DistributedValues):
             arrays = self._arrays(group, value, nested, "all_reduce")
         else:  # one array or scalar, the common case
             slot = group.slots[self._replica_id]
-            arrays = [slot.backend.asarray(value, slot.device)]
+            if isinstance(value, np.generic) and slot.backend is cpu_backend:
+                # A NumPy scalar reduces as it is (it has a dtype and a shape); the
+                # host reduction returns an array. Saves an asarray per replica.
+                arrays = [value]
+            else:
+                arrays = [slot.backend.asarray(value, slot.device)]
         reducible = _REDUCIBLE[op]
         if nested:  # map with attrgetter: C-speed per leaf, for long lists of tensors
             dtypes = tuple(map(_DTYPE, arrays))
@@ -212,7 +223,17 @@ class ReplicaContext:
 
         signature = _new(Signature, ("all_reduce", key, describe))
         payload = _new(AllReducePayload, (value if nested else None, arrays, op, options))
-        return group.arrive(self._replica_id, signature, payload, options)
+        rendezvous = group._rendezvous
+        if rendezvous is None or _trace.active is not None:
+            return group.arrive(self._replica_id, signature, payload, options)
+        # What group.arrive does once the rendezvous exists and nothing is traced.
+        return rendezvous.arrive(
+            self._replica_id,
+            signature,
+            payload,
+            options.timeout_seconds,
+            options.stall_warning_seconds,
+        )
 
     def all_gather(
         self, value: Any, axis: int, options: CommunicationOptions | None = None

@@ -38,6 +38,7 @@ from types import CoroutineType, GeneratorType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _context, _nest, _trace
+from ._context import _new_state, _State
 from ._devices import Device
 from ._errors import ContextError, RendezvousTimeoutError, ReplicaExitedError
 from ._options import CommunicationOptions
@@ -257,30 +258,30 @@ class RunGroup:
 
     async def run(self, fn: Callable, args: Sequence, kwargs: dict) -> object:
         loop = asyncio.get_running_loop()
-        base = contextvars.copy_context()
-        set_state = _context.set_state
-        base.run(set_state, _context.replica_state(self.strategy, None))
-        self._base = base
+        # The caller's context, of which each replica's (and each merge_fn's) is a copy.
+        self._base = base = contextvars.copy_context()
         self._all_done = all_done = loop.create_future()
         n = self._remaining = self.num_replicas
         coroutines = self._coroutines(fn, args, kwargs)
         strategy = self.strategy
         strategy._live_groups.add(self)
         contexts = strategy._replica_contexts
+        set_state = _context.set_state
         # Without a custom task factory, building the Task directly is what
         # loop.create_task does, minus uvloop's separate set_name() call per task
         # (about 0.4 us per replica per run).
-        make_task = partial(asyncio.Task, loop=loop) if loop.get_task_factory() is None else None
+        direct = loop.get_task_factory() is None
+        tasks = self._tasks
         for slot, coro in zip(self.slots, coroutines, strict=True):
             rid = slot.replica_id
             context = base.copy()
-            context.run(set_state, _context.replica_state(strategy, contexts[rid], self))
+            # _context.replica_state(strategy, contexts[rid], self), without the call
+            context.run(set_state, _new_state(_State, (strategy, contexts[rid], True, self)))
             name = _TASK_NAMES[rid] if rid < len(_TASK_NAMES) else f"aiodist-replica-{rid}"
-            if make_task is not None:
-                task = make_task(coro, name=name, context=context)
+            if direct:
+                tasks.append(asyncio.Task(coro, loop=loop, name=name, context=context))
             else:
-                task = loop.create_task(coro, name=name, context=context)
-            self._tasks.append(task)
+                tasks.append(loop.create_task(coro, name=name, context=context))
 
         try:
             await all_done
@@ -332,7 +333,9 @@ class RunGroup:
         as they are.
         """
         n = self.num_replicas
-        plain_args = not _may_hold_distributed(args) and not _may_hold_distributed(kwargs.values())
+        plain_args = (not args or not _may_hold_distributed(args)) and (
+            not kwargs or not _may_hold_distributed(kwargs.values())
+        )
         code = getattr(fn, "__code__", None)
         is_async = code is not None and code.co_flags & CO_COROUTINE
         tracer = _trace.active
@@ -414,7 +417,9 @@ class RunGroup:
 
     def _cross_replica_context(self) -> contextvars.Context:
         assert self._base is not None
-        return self._base.copy()
+        context = self._base.copy()
+        context.run(_context.set_state, _context.replica_state(self.strategy, None))
+        return context
 
     def _execute(self, number: int, signature: Signature, payloads: list) -> Any:
         tracer = _trace.active
@@ -475,9 +480,13 @@ class RunGroup:
     def _collective(self, number: int, signature: Signature, payloads: list) -> Any:
         ops = self.strategy.extended._cross_device_ops
         first = payloads[0]
+        devices, options, streams = self.devices, first.options, self.streams
+        if signature.name == "all_reduce" and first.template is None:  # one array each
+            self.bytes_reduced += first.arrays[0].nbytes * self.num_replicas
+            arrays = [payload.arrays[0] for payload in payloads]
+            return ops._all_reduce_one(first.op, arrays, devices, options, streams)
         arrays = [payload.arrays for payload in payloads]
         self.bytes_reduced += sum(map(_NBYTES, first.arrays)) * self.num_replicas
-        devices, options, streams = self.devices, first.options, self.streams
         if signature.name == "all_reduce":
             out = ops._all_reduce_flat(first.op, arrays, devices, options, streams)
         else:

@@ -146,7 +146,9 @@ def regroup(
     Raises ``InvalidArgumentError`` naming the replicas when nestings differ.
     """
     first = values[0]
-    if all(value is first for value in values):
+    # `first is values[-1]` settles the usual case (distinct per-replica results)
+    # without a generator.
+    if first is values[-1] and all(value is first for value in values):
         return first
     if not isinstance(first, _NESTED) and not _nest.any_nested(values):
         return PerReplica._make(tuple(values), None if devices is None else tuple(devices))

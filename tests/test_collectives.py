@@ -40,6 +40,28 @@ async def test_all_reduce_ops(strategy, num_replicas, op, expected):
     assert values == [expected([i + 2 for i in range(num_replicas)])] * num_replicas
 
 
+@pytest.mark.parametrize("op", ["sum", "mean", "max"])
+async def test_all_reduce_of_numpy_scalars_gives_each_replica_a_read_only_array(
+    strategy, num_replicas, op
+):
+    # NumPy scalars take a path of their own (no asarray); even replicas pass a
+    # scalar, odd ones a 0-d array of the same dtype.
+    async def fn():
+        r = rid()
+        value = np.int32(r + 1) if r % 2 == 0 else np.asarray(np.int32(r + 1))
+        return await aiodist.get_replica_context().all_reduce(op, value)
+
+    results = local(strategy, await strategy.run(fn))
+    numbers = list(range(1, num_replicas + 1))
+    expected = {"sum": sum(numbers), "mean": sum(numbers) / num_replicas, "max": num_replicas}
+    for result in results:
+        assert type(result) is np.ndarray and result.shape == ()
+        assert result.dtype == (np.float64 if op == "mean" else np.int32)
+        assert result == expected[op]
+        assert not result.flags.writeable
+    assert len({id(result) for result in results}) == num_replicas
+
+
 async def test_all_reduce_nested_structure_keeps_structure_and_dtypes(strategy, num_replicas):
     async def fn():
         r = rid()
