@@ -110,6 +110,11 @@ def is_cupy_array(value: object) -> bool:
     return type(value).__module__.startswith("cupy")
 
 
+def is_cupy_type(kind: type) -> bool:
+    """Whether values of type ``kind`` are CuPy arrays (``is_cupy_array`` per type)."""
+    return kind.__module__.startswith("cupy")
+
+
 def host_array(value: object) -> np.ndarray:
     """``value`` as a NumPy array on the host (copied from the GPU for a CuPy array)."""
     return value.get() if is_cupy_array(value) else np.asarray(value)  # type: ignore[attr-defined]

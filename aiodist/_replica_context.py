@@ -42,6 +42,7 @@ _OPS = {name: op for op in ReduceOp for name in (op.name, op.name.lower())}
 _NESTED = (list, tuple, dict)
 _new = tuple.__new__  # builds a NamedTuple in C, without its Python-level __new__
 _SHAPE = operator.attrgetter("shape")
+_EMPTY: dict = {}  # the kwargs of a merge_call without any (never modified)
 _DTYPE = operator.attrgetter("dtype")
 
 # dtypes already checked reducible, per op (a set lookup instead of a check per call)
@@ -143,21 +144,33 @@ class ReplicaContext:
             >>> strategy.experimental_local_results(aiodist.run(strategy.run(step)))
             (10, 11)
         """
-        group = self._group("merge_call")
+        # A per-step hot path too, written like all_reduce's.
+        state = _STATE.get()
+        group = state.group if state.replica is self else self._group("merge_call")
         if not callable(merge_fn):
             raise InvalidArgumentError(
                 f"merge_call: merge_fn={merge_fn!r} is not callable; expected a function "
                 "taking (strategy, *args, **kwargs)."
             )
-        args = _positional(args, "merge_call")
-        kwargs = _keywords(kwargs, "merge_call")
-        name = getattr(merge_fn, "__qualname__", type(merge_fn).__name__)
-        signature = Signature("merge_call", _merge_key(merge_fn), f"merge_call({name})")
-        return group.arrive(
+        if type(args) is not tuple:
+            args = _positional(args, "merge_call")
+        kwargs = _EMPTY if kwargs is None else _keywords(kwargs, "merge_call")
+
+        def describe() -> str:
+            return f"merge_call({getattr(merge_fn, '__qualname__', type(merge_fn).__name__)})"
+
+        signature = _new(Signature, ("merge_call", _merge_key(merge_fn), describe))
+        payload = _new(MergePayload, (merge_fn, args, kwargs))
+        options = self._strategy._communication_options
+        rendezvous = group._rendezvous
+        if rendezvous is None or _trace.active is not None:
+            return group.arrive(self._replica_id, signature, payload, options)
+        return rendezvous.arrive(  # as in all_reduce
             self._replica_id,
             signature,
-            MergePayload(merge_fn, args, kwargs),
-            self._strategy._communication_options,
+            payload,
+            options.timeout_seconds,
+            options.stall_warning_seconds,
         )
 
     def all_reduce(

@@ -418,7 +418,7 @@ class RunGroup:
     def _cross_replica_context(self) -> contextvars.Context:
         assert self._base is not None
         context = self._base.copy()
-        context.run(_context.set_state, _context.replica_state(self.strategy, None))
+        context.run(_context.set_state, _new_state(_State, (self.strategy, None, True, None)))
         return context
 
     def _execute(self, number: int, signature: Signature, payloads: list) -> Any:
@@ -500,14 +500,22 @@ class RunGroup:
             return [leaves[0] for leaves in out]
         return [_nest.pack_as(p.template, leaves) for p, leaves in zip(payloads, out, strict=True)]
 
-    def _spawn(self, coro: Any, context: contextvars.Context | None = None) -> asyncio.Task:
+    def _spawn(
+        self, coro: Any, context: contextvars.Context | None = None, *, untracks: bool = False
+    ) -> asyncio.Task:
         """A task doing cross-replica work for this run: cancelled with the run's
-        replicas and waited for by ``_drain``."""
-        task = get_running_loop().create_task(coro, context=context)
+        replicas and waited for by ``_drain``. ``untracks``: ``coro`` leaves ``_aux``
+        itself when it ends (see ``_merged``); otherwise a done callback does."""
+        loop = get_running_loop()
+        if loop.get_task_factory() is None:  # as in run(): no separate set_name()
+            task = asyncio.Task(coro, loop=loop, context=context)
+        else:
+            task = loop.create_task(coro, context=context)
         if type(self._aux) is tuple:  # the first merge task of this run
             self._aux = set()
         self._aux.add(task)
-        task.add_done_callback(self._aux.discard)
+        if not untracks:
+            task.add_done_callback(self._aux.discard)
         return task
 
     def _merge(self, number: int, payloads: list[MergePayload], backend: Any, order: object) -> Any:
@@ -517,7 +525,7 @@ class RunGroup:
 
         ended = []
 
-        def issued() -> None:
+        def issued(_: object = None) -> None:
             if backend is not None and not ended:
                 ended.append(True)
                 backend.end_cross_replica(order, self.slots)
@@ -538,7 +546,8 @@ class RunGroup:
 
         # An async merge_fn runs in a task of its own, never in the step of the
         # replica that arrived last: asyncio.timeout(), TaskGroup and current_task()
-        # inside it must not reach that replica.
+        # inside it must not reach that replica. The task is what the rendezvous
+        # waits for: its result is the list of per-replica results.
         coro = result if type(result) is CoroutineType else _await(result)
         if backend is not None:  # each of its steps on the cross streams
             coro = drive(
@@ -547,40 +556,34 @@ class RunGroup:
             # Ordered as soon as merge_fn's work is issued, while its arguments are
             # still referenced (their memory is not reused before the replicas wait).
             coro = _then(coro, issued)
-        loop = get_running_loop()
-        task = self._spawn(coro, context)
-        outcome = loop.create_future()
-        # Every replica has arrived, so the rendezvous' own timeout no longer runs:
-        # timeout_seconds bounds the merge_fn itself.
+        task = self._spawn(self._merged(number, coro), context, untracks=True)
+        if backend is not None:  # also when the task is cancelled before it starts
+            task.add_done_callback(issued)
+        return task
+
+    async def _merged(self, number: int, coro: Any) -> list:
+        """An async merge_fn's task: its result for each replica. Every replica has
+        arrived, so the rendezvous' own timeout no longer runs: timeout_seconds
+        bounds the merge_fn itself."""
         timeout = self.strategy._communication_options.timeout_seconds
         expiry = None
         if timeout is not None:
-            expiry = loop.call_later(timeout, task.cancel)
-
-        def finished(task: asyncio.Task) -> None:
-            issued()
+            expiry = get_running_loop().call_later(timeout, asyncio.current_task().cancel)
+        try:
+            result = await coro
+        except asyncio.CancelledError:
+            if timeout is not None and not self._cancelling:
+                raise RendezvousTimeoutError(
+                    f"merge_call #{number}: merge_fn did not finish within {timeout:g} s "
+                    "(CommunicationOptions.timeout_seconds) and was cancelled; make it "
+                    "faster, or raise timeout_seconds."
+                ) from None
+            raise
+        finally:
             if expiry is not None:
                 expiry.cancel()
-            if task.cancelled() and timeout is not None and not self._cancelling:
-                outcome.set_exception(
-                    RendezvousTimeoutError(
-                        f"merge_call #{number}: merge_fn did not finish within {timeout:g} s "
-                        "(CommunicationOptions.timeout_seconds) and was cancelled; make it "
-                        "faster, or raise timeout_seconds."
-                    )
-                )
-            elif task.cancelled():
-                outcome.cancel()
-            elif (exc := task.exception()) is not None:
-                outcome.set_exception(exc)
-            else:
-                try:
-                    outcome.set_result(self._for_each_replica(task.result()))
-                except Exception as exc:  # e.g. a PerReplica of the wrong length
-                    outcome.set_exception(exc)
-
-        task.add_done_callback(finished)
-        return outcome
+            self._aux.discard(asyncio.current_task())
+        return self._for_each_replica(result)
 
     def _for_each_replica(self, value: object) -> list:
         return [select_replica(i, value, self.num_replicas) for i in range(self.num_replicas)]

@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _context, _nest, _variables
 from ._arrays import as_axis, check_reducible
-from ._backends import backend_for, is_cupy_array, visible_gpu_count
+from ._backends import backend_for, is_cupy_array, is_cupy_type, visible_gpu_count
 from ._cross_device_ops import CrossDeviceOps, NcclAllReduce, ReductionToOneDevice, check_alike
 from ._devices import Device, parse_device
 from ._errors import ContextError, DeviceError, InvalidArgumentError
@@ -39,6 +39,7 @@ __all__ = [
     "ready",
 ]
 
+_HOST_KINDS = frozenset({np.ndarray, *np.sctypeDict.values()})  # NumPy arrays and scalars
 _HOST = Device("CPU", 0)
 
 
@@ -428,8 +429,7 @@ class Strategy:
             return np.asarray(parts[0]).copy()
         # Straight to the reduction primitive: the parts are host arrays already.
         check_alike(parts, "reduce")
-        for part in parts:
-            check_reducible(op, part, "reduce")
+        check_reducible(op, parts[0], "reduce")  # one dtype: check_alike said so
         return self.extended._cross_device_ops._reduce_arrays(op, parts, _HOST)
 
     async def gather(self, value: Any, axis: int) -> Any:
@@ -462,13 +462,19 @@ class Strategy:
                 )
         else:
             parts = [value]
-        on_gpu = [i for i, p in enumerate(parts) if is_cupy_array(p)]
-        if on_gpu:
+        # Tests per type of part (usually one type), not per part.
+        kinds = set(map(type, parts))
+        if any(map(is_cupy_type, kinds)):
+            on_gpu = [i for i, p in enumerate(parts) if is_cupy_array(p)]
             backend = backend_for(Device("GPU", parts[on_gpu[0]].device.id))
             with self._cross_replica_order():
                 copies = await backend.to_host_async([parts[i] for i in on_gpu])
             for i, copy in zip(on_gpu, copies, strict=True):
                 parts[i] = copy
+        elif kinds <= _HOST_KINDS:
+            # NumPy arrays and scalars, as they are: scalars have a shape and a
+            # dtype, and the host reductions return arrays.
+            return parts
         return [p if type(p) is np.ndarray else np.asarray(p) for p in parts]
 
     # -- ordering cross-replica work on GPUs ----------------------------------------------

@@ -154,22 +154,25 @@ def regroup(
         return PerReplica._make(tuple(values), None if devices is None else tuple(devices))
     if type(first) is dict and not first and all(type(v) is dict and not v for v in values):
         return {}  # empty kwargs, as merge_call usually gets
+    kind = type(first)
     if (
-        type(first) is list
-        and all(type(v) is list and len(v) == len(first) for v in values)
+        (kind is list or kind is tuple)
+        and all(type(v) is kind and len(v) == len(first) for v in values)
         and not _nest.any_nested(chain.from_iterable(values))
     ):
-        # Flat lists of leaves (e.g. all-reduced gradients): one pass per column.
+        # Flat lists of leaves (e.g. all-reduced gradients) or tuples of them (a
+        # merge_call's args): one pass per column.
         devices = None if devices is None else tuple(devices)
         make = PerReplica._make
         # `column[0] is column[-1]` settles the usual case (distinct per-replica
         # results) without scanning the column.
-        return [
+        merged = [
             column[0]
             if column[0] is column[-1] and all(x is column[0] for x in column)
             else make(column, devices)
             for column in zip(*values, strict=True)
         ]
+        return merged if kind is list else tuple(merged)
     nested = [_nest.is_nested(value) for value in values]
     if any(nested):
         odd = [i for i, value in enumerate(values) if not _same_container(first, value)]
