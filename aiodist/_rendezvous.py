@@ -156,8 +156,12 @@ class Rendezvous:
         num_replicas: int,
         execute: Execute,
         watch: Callable[[float], None] | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ):
         self.num_replicas = num_replicas
+        # The loop every arrival will run on, when the owner knows it (a run does):
+        # get_running_loop() costs a getpid() system call per arrival otherwise.
+        self._loop = loop
         self._execute = execute
         # watch(when): a new call may stall; look at it again at perf_counter() `when`.
         self._watch = watch
@@ -192,7 +196,7 @@ class Rendezvous:
         ``timeout``: fail the call that many seconds after its first arrival.
         ``stall_after``: report it as stalled (``due_stalls``) after that long.
         """
-        loop = get_running_loop()
+        loop = self._loop or get_running_loop()
         future = loop.create_future()
         number = self._next_number[replica]
         self._next_number[replica] = number + 1

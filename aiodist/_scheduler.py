@@ -179,6 +179,7 @@ class RunGroup:
     _run_id = 0  # this run's number in the trace being recorded, if any
     _remaining = 0  # replicas still running
     _all_done: asyncio.Future | None = None  # set when none is
+    _loop: asyncio.AbstractEventLoop | None = None  # the run's loop, once it runs
     # Made on first use: replica exits before the rendezvous existed; merge_fn
     # tasks; (call, replica) -> arrival time while tracing.
     _exits: tuple | list = ()
@@ -205,10 +206,13 @@ class RunGroup:
     def rendezvous(self) -> Rendezvous:
         """The group's rendezvous engine, made at the first collective call."""
         if self._rendezvous is None:
-            watchdog = watchdog_for(get_running_loop())
+            loop = self._loop or get_running_loop()
+            watchdog = watchdog_for(loop)
             watchdog.groups.add(self)
             self._watchdog = watchdog
-            self._rendezvous = Rendezvous(self.num_replicas, self._execute, watchdog.ensure)
+            self._rendezvous = Rendezvous(
+                self.num_replicas, self._execute, watchdog.ensure, self._loop
+            )
             for replica, how in self._exits:
                 self._rendezvous.replica_exited(replica, how)
             if self._finished:
@@ -257,7 +261,9 @@ class RunGroup:
     # -- the run ----------------------------------------------------------------------
 
     async def run(self, fn: Callable, args: Sequence, kwargs: dict) -> object:
-        loop = asyncio.get_running_loop()
+        # Kept for the run's other uses: asyncio.get_running_loop() is a system call
+        # (getpid) each time.
+        self._loop = loop = asyncio.get_running_loop()
         # The caller's context, of which each replica's (and each merge_fn's) is a copy.
         self._base = base = contextvars.copy_context()
         self._all_done = all_done = loop.create_future()
@@ -321,7 +327,8 @@ class RunGroup:
         has finished and after the wake-ups already queued, such as those of every
         replica waiting in a collective that just failed, so each of them raises the
         shared error before the others are cancelled."""
-        get_running_loop().call_soon(self._replica_failed, rid, asyncio.current_task())
+        loop = self._loop
+        loop.call_soon(self._replica_failed, rid, asyncio.current_task(loop))
 
     def _coroutines(self, fn: Callable, args: Sequence, kwargs: dict) -> list:
         """One coroutine per replica (what its task runs), made before any task starts.
@@ -506,7 +513,7 @@ class RunGroup:
         """A task doing cross-replica work for this run: cancelled with the run's
         replicas and waited for by ``_drain``. ``untracks``: ``coro`` leaves ``_aux``
         itself when it ends (see ``_merged``); otherwise a done callback does."""
-        loop = get_running_loop()
+        loop = self._loop or get_running_loop()
         if loop.get_task_factory() is None:  # as in run(): no separate set_name()
             task = asyncio.Task(coro, loop=loop, context=context)
         else:
@@ -568,7 +575,8 @@ class RunGroup:
         timeout = self.strategy._communication_options.timeout_seconds
         expiry = None
         if timeout is not None:
-            expiry = get_running_loop().call_later(timeout, asyncio.current_task().cancel)
+            loop = self._loop or get_running_loop()  # the default group has no run loop
+            expiry = loop.call_later(timeout, asyncio.current_task(loop).cancel)
         try:
             result = await coro
         except asyncio.CancelledError:
@@ -582,7 +590,7 @@ class RunGroup:
         finally:
             if expiry is not None:
                 expiry.cancel()
-            self._aux.discard(asyncio.current_task())
+            self._aux.discard(asyncio.current_task(self._loop))
         return self._for_each_replica(result)
 
     def _for_each_replica(self, value: object) -> list:
