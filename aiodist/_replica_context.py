@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from . import _context, _nest, _trace
-from ._arrays import as_axis, check_reducible, gather_axis, structure_text
+from ._arrays import as_axis, check_reducible, gather_axis, leaf_text, structure_text
 from ._backends import cpu_backend
 from ._errors import ContextError, InvalidArgumentError
 from ._ops import ReduceOp
@@ -47,6 +47,9 @@ _DTYPE = operator.attrgetter("dtype")
 
 # dtypes already checked reducible, per op (a set lookup instead of a check per call)
 _REDUCIBLE: dict[ReduceOp, set] = {op: set() for op in ReduceOp}
+# The signatures of one-array all-reduces, by (op, dtype, shape).
+_ONE_ARRAY: dict[tuple, Signature] = {}
+_ONE_ARRAY_LIMIT = 1024
 
 
 class AllReducePayload(NamedTuple):
@@ -217,24 +220,27 @@ class ReplicaContext:
                 arrays = [value]
             else:
                 arrays = [slot.backend.asarray(value, slot.device)]
-        reducible = _REDUCIBLE[op]
         if nested:  # map with attrgetter: C-speed per leaf, for long lists of tensors
+            reducible = _REDUCIBLE[op]
             dtypes = tuple(map(_DTYPE, arrays))
             for dtype in set(dtypes) - reducible:
                 check_reducible(op, arrays[dtypes.index(dtype)], self._where("all_reduce"))
                 reducible.add(dtype)
             key = (op, _nest.skeleton(value), dtypes, tuple(map(_SHAPE, arrays)))
+
+            def describe() -> str:
+                return f"all_reduce({op.name}, {structure_text(value, arrays)})"
+
+            signature = _new(Signature, ("all_reduce", key, describe))
         else:
-            dtype = arrays[0].dtype
-            if dtype not in reducible:
-                check_reducible(op, arrays[0], self._where("all_reduce"))
-                reducible.add(dtype)
-            key = (op, dtype, arrays[0].shape)
-
-        def describe() -> str:
-            return f"all_reduce({op.name}, {structure_text(value, arrays)})"
-
-        signature = _new(Signature, ("all_reduce", key, describe))
+            # One array: its signature depends on (op, dtype, shape) only, so one
+            # object per key serves every call, and the rendezvous matches the
+            # replicas' signatures by identity.
+            array = arrays[0]
+            key = (op, array.dtype, array.shape)
+            signature = _ONE_ARRAY.get(key)
+            if signature is None:
+                signature = self._one_array_signature(key, array)
         payload = _new(AllReducePayload, (value if nested else None, arrays, op, options))
         rendezvous = group._rendezvous
         if rendezvous is None or _trace.active is not None:
@@ -298,6 +304,18 @@ class ReplicaContext:
             f"cross-replica code). Call {method}() from the replica function itself; in "
             "cross-replica context use strategy.reduce() or strategy.extended.reduce_to()."
         )
+
+    def _one_array_signature(self, key: tuple, array: Any) -> Signature:
+        """The signature of all-reducing one array (``key``: op, dtype, shape), checked
+        reducible once and kept in ``_ONE_ARRAY``."""
+        op = key[0]
+        check_reducible(op, array, self._where("all_reduce"))
+        if len(_ONE_ARRAY) >= _ONE_ARRAY_LIMIT:  # many shapes: start afresh
+            _ONE_ARRAY.clear()
+        signature = _ONE_ARRAY[key] = Signature(
+            "all_reduce", key, f"all_reduce({op.name}, {leaf_text(array)})"
+        )
+        return signature
 
     def _where(self, method: str) -> str:
         return f"{method} on replica {self._replica_id}"

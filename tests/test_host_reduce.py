@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 import aiodist
-from aiodist._host_reduce import BLOCK, PARALLEL_MIN_BYTES, POOL_MIN_BYTES, combine
+from aiodist._host_reduce import (
+    BLOCK,
+    PARALLEL_MIN_BYTES,
+    POOL_MIN_BYTES,
+    SCRATCH_MAX_BYTES,
+    combine,
+    pack_buffers,
+)
 from tests.conftest import cpu_devices
 
 LARGE = PARALLEL_MIN_BYTES // 4 + 12345  # float32 elements: not a multiple of BLOCK
@@ -60,6 +67,48 @@ async def test_held_all_reduce_results_never_change(num_replicas):
     for k, result in enumerate(kept):
         for value in strategy.experimental_local_results(result):
             assert value[0] == value[-1] == k * num_replicas
+
+
+@pytest.mark.parametrize(
+    "ops",
+    [
+        aiodist.ReductionToOneDevice(),
+        # hands back its first input: a pack scratch array, which must not escape
+        aiodist.ReductionToOneDevice(accumulation_fn=lambda arrays: arrays[0]),
+    ],
+    ids=["default", "accumulation_fn"],
+)
+@pytest.mark.parametrize(
+    "shapes", [[(2, 3), (POOLED,), ()], [(2, 3)] * 3], ids=["mixed", "one shape"]
+)
+async def test_held_batched_results_never_change(ops, shapes):
+    # Lists of leaves are packed into scratch arrays reused at every step; results
+    # (pooled or not, split per leaf by slices or by one reshape) must not share
+    # memory with them.
+    strategy = aiodist.MirroredStrategy(cpu_devices(2), cross_device_ops=ops)
+
+    async def step(k):
+        ctx = aiodist.get_replica_context()
+        return await ctx.all_reduce("sum", [np.full(shape, k, np.float32) for shape in shapes])
+
+    kept = [await strategy.run(step, args=(k,)) for k in range(1, 4)]
+    per_replica = 1 if ops.accumulation_fn is not None else 2
+    for k, result in enumerate(kept, start=1):
+        for leaf, shape in zip(result, shapes, strict=True):
+            for value in strategy.experimental_local_results(leaf):
+                assert value.shape == shape
+                np.testing.assert_array_equal(value, k * per_replica)
+
+
+def test_pack_buffers_are_reused_per_size_and_dtype_and_bounded():
+    first = pack_buffers(3, 1000, np.float32)
+    assert [b.shape for b in first] == [(1000,)] * 3 and first[0].dtype == np.float32
+    again = pack_buffers(2, 1000, np.float32)
+    assert all(a is b for a, b in zip(again, first[:2], strict=False))
+    assert pack_buffers(2, 1000, np.float64)[0] is not first[0]
+    assert pack_buffers(2, 999, np.float32)[0] is not first[0]
+    huge = SCRATCH_MAX_BYTES // 2 + 1  # two of these are over the limit: never kept
+    assert pack_buffers(2, huge, np.uint8)[0] is not pack_buffers(2, huge, np.uint8)[0]
 
 
 # -- regressions from review -----------------------------------------------------------
