@@ -14,6 +14,7 @@ from typing import Any
 __all__ = [
     "children",
     "flatten",
+    "flatten_with_skeleton",
     "is_nested",
     "map_structure",
     "pack_as",
@@ -113,3 +114,11 @@ def skeleton(value: object) -> object:
             return (type(value).__name__, len(value))  # flat: no per-leaf work
         return (type(value).__name__, tuple(skeleton(child) for child in value))
     return None
+
+
+def flatten_with_skeleton(value: object) -> tuple[list, object]:
+    """``(flatten(value), skeleton(value))``, testing a flat list or tuple (the common
+    case, often of a hundred tensors) for nesting once instead of twice."""
+    if isinstance(value, list | tuple) and not any_nested(value):
+        return list(value), (type(value).__name__, len(value))
+    return flatten(value), skeleton(value)

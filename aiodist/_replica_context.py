@@ -210,8 +210,11 @@ class ReplicaContext:
         else:
             options = self._options(options)
         nested = isinstance(value, _NESTED)
-        if nested or isinstance(value, DistributedValues):
-            arrays = self._arrays(group, value, nested, "all_reduce")
+        if nested:
+            leaves, skeleton = _nest.flatten_with_skeleton(value)
+            arrays = self._arrays(group, leaves, "all_reduce")
+        elif isinstance(value, DistributedValues):
+            arrays = self._arrays(group, [value], "all_reduce")  # raises
         else:  # one array or scalar, the common case
             slot = group.slots[self._replica_id]
             if isinstance(value, np.generic) and slot.backend is cpu_backend:
@@ -223,10 +226,15 @@ class ReplicaContext:
         if nested:  # map with attrgetter: C-speed per leaf, for long lists of tensors
             reducible = _REDUCIBLE[op]
             dtypes = tuple(map(_DTYPE, arrays))
-            for dtype in set(dtypes) - reducible:
+            # Usually one dtype object throughout: count() compares by identity first.
+            if dtypes.count(dtypes[0]) == len(dtypes):
+                distinct = {dtypes[0]} if dtypes[0] not in reducible else ()
+            else:
+                distinct = set(dtypes) - reducible
+            for dtype in distinct:
                 check_reducible(op, arrays[dtypes.index(dtype)], self._where("all_reduce"))
                 reducible.add(dtype)
-            key = (op, _nest.skeleton(value), dtypes, tuple(map(_SHAPE, arrays)))
+            key = (op, skeleton, dtypes, tuple(map(_SHAPE, arrays)))
 
             def describe() -> str:
                 return f"all_reduce({op.name}, {structure_text(value, arrays)})"
@@ -276,13 +284,14 @@ class ReplicaContext:
         axis = as_axis(axis, "all_gather")
         options = self._options(options)
         nested = _nest.is_nested(value)
-        arrays = self._arrays(group, value, nested, "all_gather")
+        leaves, skeleton = _nest.flatten_with_skeleton(value)
+        arrays = self._arrays(group, leaves, "all_gather")
         shapes = []
         for array in arrays:
             along = gather_axis(array, axis, f"all_gather on replica {self._replica_id}")
             shapes.append(tuple(-1 if i == along else n for i, n in enumerate(array.shape)))
         dtypes = [a.dtype for a in arrays]
-        key = (axis, _nest.skeleton(value), tuple(zip(dtypes, shapes, strict=True)))
+        key = (axis, skeleton, tuple(zip(dtypes, shapes, strict=True)))
         signature = Signature(
             "all_gather", key, lambda: f"all_gather(axis={axis}, {structure_text(value, arrays)})"
         )  # not a hot path: the readable constructor
@@ -324,9 +333,9 @@ class ReplicaContext:
         default = self._strategy._communication_options
         return default if options is None else default.merge(options)
 
-    def _arrays(self, group: RunGroup, value: Any, nested: bool, method: str) -> list:
+    def _arrays(self, group: RunGroup, leaves: list, method: str) -> list:
+        """``leaves`` (a new list) as arrays on this replica's device."""
         slot = group.slots[self._replica_id]
-        leaves = _nest.flatten(value) if nested else [value]
         native = slot.backend.array_type
         if native is not None and all(map(native.__instancecheck__, leaves)):
             return leaves  # already arrays of this device's kind: nothing to convert

@@ -503,8 +503,13 @@ class RunGroup:
     @staticmethod
     def _per_replica(payloads: list, out: list[list]) -> list:
         """Each replica's result: its leaves ``out[r]`` in the structure it passed."""
-        if payloads[0].template is None:  # one array each (signatures matched)
+        template = payloads[0].template
+        if template is None:  # one array each (signatures matched)
             return [leaves[0] for leaves in out]
+        if type(template) is list and not _nest.any_nested(template):
+            # A flat list, and the signatures matched, so every replica passed one:
+            # its list of leaves is its result (each a new list).
+            return out
         return [_nest.pack_as(p.template, leaves) for p, leaves in zip(payloads, out, strict=True)]
 
     def _spawn(

@@ -163,15 +163,18 @@ def regroup(
         # Flat lists of leaves (e.g. all-reduced gradients) or tuples of them (a
         # merge_call's args): one pass per column.
         devices = None if devices is None else tuple(devices)
-        make = PerReplica._make
-        # `column[0] is column[-1]` settles the usual case (distinct per-replica
-        # results) without scanning the column.
-        merged = [
-            column[0]
-            if column[0] is column[-1] and all(x is column[0] for x in column)
-            else make(column, devices)
-            for column in zip(*values, strict=True)
-        ]
+        new = object.__new__
+        merged = []
+        append = merged.append
+        for column in zip(*values, strict=True):
+            # `column[0] is column[-1]` settles the usual case (distinct per-replica
+            # results) without scanning the column.
+            if column[0] is column[-1] and all(x is column[0] for x in column):
+                append(column[0])
+            else:  # PerReplica._make, inlined: this runs once per leaf of a result
+                item = new(PerReplica)
+                item._values, item._devices = column, devices
+                append(item)
         return merged if kind is list else tuple(merged)
     nested = [_nest.is_nested(value) for value in values]
     if any(nested):
