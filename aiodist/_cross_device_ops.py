@@ -192,7 +192,18 @@ class CrossDeviceOps:
     ) -> list:
         """All-reduce one array per replica (``arrays[r]``): each replica's result.
 
-        The most common collective, so it skips the lists of leaves."""
+        The most common collective, so it skips the lists of leaves, unless a
+        subclass does its own batched all-reduce (NCCL): that serves one array too.
+        """
+        if type(self)._all_reduce_flat is not CrossDeviceOps._all_reduce_flat:
+            per_replica = [[array] for array in arrays]
+            out = self._all_reduce_flat(op, per_replica, devices, options, streams)
+            return [leaves[0] for leaves in out]
+        return self._reduce_and_broadcast(op, arrays, devices)
+
+    def _reduce_and_broadcast(
+        self, op: ReduceOp, arrays: Sequence[Any], devices: Sequence[Device]
+    ) -> list:
         reduced = self._reduce_arrays(op, arrays, self._gather_device(devices))
         return self._broadcast_array(reduced, devices)
 
@@ -211,7 +222,7 @@ class CrossDeviceOps:
         first = per_replica[0]
         if len(first) == 1:  # one array each: no packing
             arrays = [leaves[0] for leaves in per_replica]
-            return [[result] for result in self._all_reduce_one(op, arrays, devices, options)]
+            return [[result] for result in self._reduce_and_broadcast(op, arrays, devices)]
         target = self._gather_device(devices)
         out: list[list] = [[None] * len(first) for _ in per_replica]
         backend = backend_for(target)
@@ -405,24 +416,6 @@ class ReductionToOneDevice(CrossDeviceOps):
     def _gather_device(self, destinations: Sequence[Device]) -> Device:
         return self.reduce_to_device or destinations[0]
 
-    def _all_reduce_one(
-        self,
-        op: ReduceOp,
-        arrays: Sequence[Any],
-        devices: Sequence[Device],
-        options: CommunicationOptions,
-        streams: Sequence[Any] = (),
-    ) -> list:
-        if self.accumulation_fn is None and self.reduce_to_device is None and _all_cpu(devices):
-            # Host replicas (the CPU default): what _reduce_arrays and _broadcast_array
-            # do for them, without their device and backend lookups (about 1 us of a
-            # scalar all-reduce).
-            total = host_combine(_NUMPY_UFUNCS[op], arrays)
-            if op._row.divide_by_count:
-                total = mean_of_sum(np, total, len(arrays))
-            return _host_views(total, len(devices))
-        return super()._all_reduce_one(op, arrays, devices, options, streams)
-
     def _check_devices(self, devices: Sequence[Device]) -> None:
         target = self.reduce_to_device
         if target is not None and any(d.kind != target.kind for d in devices):
@@ -512,20 +505,6 @@ class NcclAllReduce(CrossDeviceOps):
 
         backend = backend_for(destinations[0])
         return _cuda.broadcast(backend.asarray(array, destinations[0]), destinations, backend)
-
-    def _all_reduce_one(
-        self,
-        op: ReduceOp,
-        arrays: Sequence[Any],
-        devices: Sequence[Device],
-        options: CommunicationOptions,
-        streams: Sequence[Any] = (),
-    ) -> list:
-        per_replica = [[array] for array in arrays]
-        return [
-            leaves[0]
-            for leaves in self._all_reduce_flat(op, per_replica, devices, options, streams)
-        ]
 
     def _all_reduce_flat(
         self,

@@ -62,6 +62,35 @@ async def test_all_reduce_of_numpy_scalars_gives_each_replica_a_read_only_array(
     assert len({id(result) for result in results}) == num_replicas
 
 
+class _CountingOps(aiodist.ReductionToOneDevice):
+    """Cross-device ops with their own batched all-reduce (as NcclAllReduce has),
+    delegating to the inherited one."""
+
+    def __init__(self):
+        super().__init__()
+        self.batched_calls = 0
+
+    def _all_reduce_flat(self, op, per_replica, devices, options, streams=()):
+        self.batched_calls += 1
+        return super()._all_reduce_flat(op, per_replica, devices, options, streams)
+
+
+async def test_ops_with_their_own_batched_all_reduce_serve_single_arrays_too():
+    ops = _CountingOps()
+    strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:1"], cross_device_ops=ops)
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        single = await ctx.all_reduce("sum", np.float64(rid() + 1))
+        batched = await ctx.all_reduce("sum", [np.ones(2), np.float64(rid())])
+        return single, batched
+
+    single, batched = await strategy.run(fn)
+    assert [float(v) for v in local(strategy, single)] == [3.0, 3.0]
+    assert [float(v) for v in local(strategy, batched[1])] == [1.0, 1.0]
+    assert ops.batched_calls == 2  # the single array went through it as well
+
+
 async def test_all_reduce_nested_structure_keeps_structure_and_dtypes(strategy, num_replicas):
     async def fn():
         r = rid()
