@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from . import _context, _nest, _trace
+from . import _context, _nest
 from ._arrays import as_axis, check_reducible, gather_axis, leaf_text, structure_text
 from ._backends import cpu_backend
 from ._errors import ContextError, InvalidArgumentError
@@ -164,16 +164,8 @@ class ReplicaContext:
 
         signature = _new(Signature, ("merge_call", _merge_key(merge_fn), describe))
         payload = _new(MergePayload, (merge_fn, args, kwargs))
-        options = self._strategy._communication_options
-        rendezvous = group._rendezvous
-        if rendezvous is None or _trace.active is not None:
-            return group.arrive(self._replica_id, signature, payload, options)
-        return rendezvous.arrive(  # as in all_reduce
-            self._replica_id,
-            signature,
-            payload,
-            options.timeout_seconds,
-            options.stall_warning_seconds,
+        return group.arrive(
+            self._replica_id, signature, payload, self._strategy._communication_options
         )
 
     def all_reduce(
@@ -250,17 +242,7 @@ class ReplicaContext:
             if signature is None:
                 signature = self._one_array_signature(key, array)
         payload = _new(AllReducePayload, (value if nested else None, arrays, op, options))
-        rendezvous = group._rendezvous
-        if rendezvous is None or _trace.active is not None:
-            return group.arrive(self._replica_id, signature, payload, options)
-        # What group.arrive does once the rendezvous exists and nothing is traced.
-        return rendezvous.arrive(
-            self._replica_id,
-            signature,
-            payload,
-            options.timeout_seconds,
-            options.stall_warning_seconds,
-        )
+        return group.arrive(self._replica_id, signature, payload, options)
 
     def all_gather(
         self, value: Any, axis: int, options: CommunicationOptions | None = None

@@ -425,7 +425,7 @@ class RunGroup:
     def _cross_replica_context(self) -> contextvars.Context:
         assert self._base is not None
         context = self._base.copy()
-        context.run(_context.set_state, _new_state(_State, (self.strategy, None, True, None)))
+        context.run(_context.set_state, _context.replica_state(self.strategy, None))
         return context
 
     def _execute(self, number: int, signature: Signature, payloads: list) -> Any:
