@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from itertools import repeat
-from operator import attrgetter
+from operator import add, attrgetter, mul
 from typing import Any
 
 import numpy as np
@@ -44,6 +44,15 @@ __all__ = ["CrossDeviceOps", "NcclAllReduce", "ReductionToOneDevice", "resolve_d
 
 
 _NUMPY_UFUNCS = {op: getattr(np, op.ufunc) for op in ReduceOp}
+# Python's operators on float32 and float64 NumPy scalars run NumPy's scalar
+# arithmetic: the same dtype and rounding as ufunc.reduce over fewer than 8 of them
+# (from 8 on, NumPy sums in 8 interleaved partial sums), without building an array
+# from the list first (0.2 us instead of 1.1 us for four float32 scalars). Not for
+# float16 and complex, which NumPy reduces in wider intermediates, nor integers,
+# whose scalar arithmetic warns on overflow where ufuncs wrap silently.
+_SCALAR_OPERATORS = {ReduceOp.SUM: add, ReduceOp.MEAN: add, ReduceOp.PRODUCT: mul}
+_SCALAR_TYPES = (np.float32, np.float64)
+_SCALAR_MAX_REPLICAS = 7
 
 
 def resolve_destinations(destinations: Any) -> tuple[Device, ...]:
@@ -415,6 +424,45 @@ class ReductionToOneDevice(CrossDeviceOps):
 
     def _gather_device(self, destinations: Sequence[Device]) -> Device:
         return self.reduce_to_device or destinations[0]
+
+    # The last device tuple found to be all host devices (runs pass the same tuple).
+    _host_devices: Sequence[Device] | None = None
+
+    def _all_reduce_one(
+        self,
+        op: ReduceOp,
+        arrays: Sequence[Any],
+        devices: Sequence[Device],
+        options: CommunicationOptions,
+        streams: Sequence[Any] = (),
+    ) -> list:
+        operator = _SCALAR_OPERATORS.get(op)
+        if (
+            operator is not None
+            and type(self) is ReductionToOneDevice  # a subclass may reduce its own way
+            and self.accumulation_fn is None
+            and self.reduce_to_device is None
+            and type(first := arrays[0]) in _SCALAR_TYPES
+            and len(arrays) <= _SCALAR_MAX_REPLICAS
+            and (devices is self._host_devices or self._on_host(devices))
+        ):
+            # Float scalars on host replicas (a loss, a count of samples): reduced in
+            # scalar arithmetic (signatures matched, so every replica passed the same
+            # dtype), each replica a read-only 0-d view of the result.
+            # About 1 us instead of 4 for a scalar all-reduce over four replicas.
+            total = first
+            for value in arrays[1:]:
+                total = operator(total, value)
+            if op is ReduceOp.MEAN:
+                total = total / len(arrays)
+            return _host_views(np.asarray(total), len(devices))
+        return super()._all_reduce_one(op, arrays, devices, options, streams)
+
+    def _on_host(self, devices: Sequence[Device]) -> bool:
+        if _all_cpu(devices):
+            self._host_devices = devices
+            return True
+        return False
 
     def _check_devices(self, devices: Sequence[Device]) -> None:
         target = self.reduce_to_device

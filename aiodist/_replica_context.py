@@ -209,10 +209,17 @@ class ReplicaContext:
             arrays = self._arrays(group, [value], "all_reduce")  # raises
         else:  # one array or scalar, the common case
             slot = group.slots[self._replica_id]
-            if isinstance(value, np.generic) and slot.backend is cpu_backend:
+            if slot.backend is not cpu_backend:
+                arrays = [slot.backend.asarray(value, slot.device)]
+            elif isinstance(value, np.generic):
                 # A NumPy scalar reduces as it is (it has a dtype and a shape); the
                 # host reduction returns an array. Saves an asarray per replica.
                 arrays = [value]
+            elif type(value) is float:
+                # A Python float as the float64 scalar it stands for (np.asarray would
+                # make a 0-d float64 array): host reductions of float scalars take
+                # the scalar arithmetic path (ReductionToOneDevice._all_reduce_one).
+                arrays = [np.float64(value)]
             else:
                 arrays = [slot.backend.asarray(value, slot.device)]
         if nested:  # map with attrgetter: C-speed per leaf, for long lists of tensors

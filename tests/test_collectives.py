@@ -62,6 +62,81 @@ async def test_all_reduce_of_numpy_scalars_gives_each_replica_a_read_only_array(
     assert len({id(result) for result in results}) == num_replicas
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.complex64])
+@pytest.mark.parametrize("op", ["sum", "mean", "product"])
+@pytest.mark.parametrize("num_replicas", [1, 2, 4, 7, 8, 9])
+async def test_all_reduce_of_float_scalars_matches_numpy_bit_for_bit(num_replicas, dtype, op):
+    # Float32/64 scalars are reduced in scalar arithmetic, which must round exactly
+    # as NumPy's reduction of the same values does (from 8 values on NumPy sums in
+    # partial sums; float16 and complex in wider intermediates). Odd replicas pass a
+    # 0-d array, which must not change the result.
+    strategy = aiodist.MirroredStrategy([f"cpu:{i}" for i in range(num_replicas)])
+    imag = 1e-3j if dtype == np.complex64 else 0
+    values = [dtype(1.0 / 3.0 + 0.7 * r + imag * r) for r in range(num_replicas)]
+
+    async def fn():
+        r = rid()
+        value = values[r] if r % 2 == 0 else np.asarray(values[r])
+        return await aiodist.get_replica_context().all_reduce(op, value)
+
+    ufunc = np.multiply if op == "product" else np.add
+    expected = np.asarray(ufunc.reduce(np.array(values), dtype=dtype))
+    if op == "mean":
+        expected /= num_replicas
+    results = local(strategy, await strategy.run(fn))
+    for result in results:
+        assert type(result) is np.ndarray and result.shape == () and result.dtype == dtype
+        assert result.tobytes() == expected.astype(dtype).tobytes()
+        assert not result.flags.writeable
+    assert len({id(result) for result in results}) == num_replicas
+
+
+@pytest.mark.parametrize("num_replicas", [7, 8, 9])
+async def test_float32_scalar_sum_rounds_as_numpy_with_many_replicas(num_replicas):
+    # One large value and small ones: added one by one, each small one is lost in
+    # rounding; NumPy's partial sums (from 8 values on) keep some of them.
+    strategy = aiodist.MirroredStrategy([f"cpu:{i}" for i in range(num_replicas)])
+    values = [np.float32(1e8 if r == 0 else 3.0) for r in range(num_replicas)]
+
+    async def fn():
+        return await aiodist.get_replica_context().all_reduce("sum", values[rid()])
+
+    expected = np.add.reduce(np.array(values))
+    for result in local(strategy, await strategy.run(fn)):
+        assert result == expected
+
+
+async def test_all_reduce_of_python_floats_gives_float64_arrays(two):
+    async def fn():
+        return await aiodist.get_replica_context().all_reduce("sum", 0.1 * (rid() + 1))
+
+    results = local(two, await two.run(fn))
+    for result in results:
+        assert type(result) is np.ndarray and result.dtype == np.float64 and result.shape == ()
+        assert float(result) == 0.1 + 0.2 and not result.flags.writeable
+
+
+class _HalvingOps(aiodist.ReductionToOneDevice):
+    """Ops that reduce their own way (a user subclass): half the usual result."""
+
+    def _reduce_arrays(self, op, arrays, target):
+        return np.asarray(super()._reduce_arrays(op, arrays, target) / 2)
+
+
+@pytest.mark.parametrize(
+    "ops",
+    [_HalvingOps(), aiodist.ReductionToOneDevice(accumulation_fn=lambda xs: sum(xs) / 2)],
+    ids=["subclass", "accumulation_fn"],
+)
+async def test_float_scalars_reach_ops_that_reduce_their_own_way(ops):
+    strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:1"], cross_device_ops=ops)
+
+    async def fn():
+        return await aiodist.get_replica_context().all_reduce("sum", np.float32(rid() + 1))
+
+    assert [float(v) for v in local(strategy, await strategy.run(fn))] == [1.5, 1.5]
+
+
 class _CountingOps(aiodist.ReductionToOneDevice):
     """Cross-device ops with their own batched all-reduce (as NcclAllReduce has),
     delegating to the inherited one."""
