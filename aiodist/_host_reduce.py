@@ -143,12 +143,15 @@ def combine(ufunc: Any, arrays: list) -> np.ndarray:
         and all(a.flags.c_contiguous for a in arrays)
     )
     if not large:
-        if first.ndim == 0:
-            # Scalars: one ufunc.reduce over them (NumPy stacks them) costs less than
-            # a ufunc call per value. dtype= keeps the inputs' dtype (add.reduce
-            # would widen small integers, where adding them one by one does not).
-            return np.asarray(ufunc.reduce(arrays, dtype=first.dtype))
         total = ufunc(first, arrays[1])
+        if first.ndim == 0:
+            # Scalars: ufuncs of 0-d values return new scalars, so no out=. Not one
+            # ufunc.reduce over the list: from 8 values on it adds in partial sums,
+            # rounding otherwise than the replica-by-replica order of every other
+            # shape (and a one-element array would not reduce like its scalar).
+            for array in arrays[2:]:
+                total = ufunc(total, array)
+            return np.asarray(total)
         for array in arrays[2:]:
             ufunc(total, array, out=total)
         return total

@@ -62,48 +62,42 @@ async def test_all_reduce_of_numpy_scalars_gives_each_replica_a_read_only_array(
     assert len({id(result) for result in results}) == num_replicas
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.complex64])
-@pytest.mark.parametrize("op", ["sum", "mean", "product"])
-@pytest.mark.parametrize("num_replicas", [1, 2, 4, 7, 8, 9])
-async def test_all_reduce_of_float_scalars_matches_numpy_bit_for_bit(num_replicas, dtype, op):
-    # Float32/64 scalars are reduced in scalar arithmetic, which must round exactly
-    # as NumPy's reduction of the same values does (from 8 values on NumPy sums in
-    # partial sums; float16 and complex in wider intermediates). Odd replicas pass a
-    # 0-d array, which must not change the result.
+@pytest.mark.parametrize(
+    ("dtype", "op"),
+    [
+        (dtype, op)
+        for dtype in (np.float16, np.float32, np.float64, np.complex64, np.int8)
+        for op in ("sum", "mean", "product", "min")
+        # NumPy's vector loop multiplies complex numbers otherwise than its scalar one
+        if (dtype, op) != (np.complex64, "product")
+    ],
+)
+@pytest.mark.parametrize("num_replicas", [1, 2, 3, 8, 9])
+@pytest.mark.parametrize("arrays_on", [1, 0], ids=["odd-0d", "even-0d"])
+async def test_scalars_reduce_exactly_as_one_element_arrays(num_replicas, dtype, op, arrays_on):
+    # Scalars take paths of their own (float ones add in NumPy's scalar arithmetic);
+    # each must round exactly as the replica-by-replica reduction of one-element
+    # arrays does, also from 8 replicas on (where np.add.reduce would add in partial
+    # sums), with odd (or even) replicas passing 0-d arrays, and int8 sums wrapping.
     strategy = aiodist.MirroredStrategy([f"cpu:{i}" for i in range(num_replicas)])
-    imag = 1e-3j if dtype == np.complex64 else 0
-    values = [dtype(1.0 / 3.0 + 0.7 * r + imag * r) for r in range(num_replicas)]
+    imag = 0.001j if dtype == np.complex64 else 0
+    big = 100 if dtype == np.int8 else 1e4  # one large value, in which 0.3s get lost
+    values = [dtype(big if r == 0 else 0.3 + r / 7 + imag * r) for r in range(num_replicas)]
 
     async def fn():
         r = rid()
-        value = values[r] if r % 2 == 0 else np.asarray(values[r])
-        return await aiodist.get_replica_context().all_reduce(op, value)
+        scalar = np.asarray(values[r]) if r % 2 == arrays_on else values[r]
+        ctx = aiodist.get_replica_context()
+        return await ctx.all_reduce(op, scalar), await ctx.all_reduce(op, values[r][None])
 
-    ufunc = np.multiply if op == "product" else np.add
-    expected = np.asarray(ufunc.reduce(np.array(values), dtype=dtype))
-    if op == "mean":
-        expected /= num_replicas
-    results = local(strategy, await strategy.run(fn))
+    scalars, vectors = await strategy.run(fn)
+    results = local(strategy, scalars)
+    expected = local(strategy, vectors)[0]
     for result in results:
-        assert type(result) is np.ndarray and result.shape == () and result.dtype == dtype
-        assert result.tobytes() == expected.astype(dtype).tobytes()
+        assert type(result) is np.ndarray and result.shape == () and result.dtype == expected.dtype
+        assert result.tobytes() == expected.tobytes()
         assert not result.flags.writeable
     assert len({id(result) for result in results}) == num_replicas
-
-
-@pytest.mark.parametrize("num_replicas", [7, 8, 9])
-async def test_float32_scalar_sum_rounds_as_numpy_with_many_replicas(num_replicas):
-    # One large value and small ones: added one by one, each small one is lost in
-    # rounding; NumPy's partial sums (from 8 values on) keep some of them.
-    strategy = aiodist.MirroredStrategy([f"cpu:{i}" for i in range(num_replicas)])
-    values = [np.float32(1e8 if r == 0 else 3.0) for r in range(num_replicas)]
-
-    async def fn():
-        return await aiodist.get_replica_context().all_reduce("sum", values[rid()])
-
-    expected = np.add.reduce(np.array(values))
-    for result in local(strategy, await strategy.run(fn)):
-        assert result == expected
 
 
 async def test_all_reduce_of_python_floats_gives_float64_arrays(two):
