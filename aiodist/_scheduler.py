@@ -213,6 +213,12 @@ class RunGroup:
             self._rendezvous = Rendezvous(
                 self.num_replicas, self._execute, watchdog.ensure, self._loop
             )
+            # Replicas that returned before any collective (the failed ones are in
+            # _exits): their tasks are done, since a replica's task ends in the step
+            # that reports its return, and this runs in a later one.
+            for slot, task in zip(self.slots, self._tasks, strict=False):  # none once over
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    self._rendezvous.replica_exited(slot.replica_id, "returned")
             for replica, how in self._exits:
                 self._rendezvous.replica_exited(replica, how)
             if self._finished:
@@ -315,8 +321,11 @@ class RunGroup:
         return regroup(results, self.devices)
 
     def _replica_returned(self, rid: int) -> None:
-        """Replica ``rid``'s function returned (called in its task's last step)."""
-        self._replica_exited(rid, "returned")
+        """Replica ``rid``'s function returned (called in its task's last step).
+        Before any collective there is no rendezvous to tell: it will find the
+        replica's task done when it is made (saves a record per replica per run)."""
+        if self._rendezvous is not None:
+            self._rendezvous.replica_exited(rid, "returned")
         self._remaining -= 1
         if self._remaining == 0 and not self._all_done.done():
             self._all_done.set_result(None)

@@ -25,7 +25,7 @@ from ._errors import ContextError, DeviceError, InvalidArgumentError
 from ._input import DistributedDataset, InputContext, InputOptions, from_function
 from ._ops import ReduceOp
 from ._options import CommunicationOptions
-from ._replica_context import ReplicaContext, _keywords, _positional
+from ._replica_context import _EMPTY, ReplicaContext, _keywords, _positional
 from ._scheduler import DefaultGroup, ReplicaSlot, RunGroup
 from ._stats import Counters, Statistics, snapshot
 from ._values import DistributedValues, PerReplica, select_replica
@@ -328,8 +328,9 @@ class Strategy:
             raise _context._mixing(state.strategy, self)
         if not callable(fn):
             raise InvalidArgumentError(f"run: fn={fn!r} is not callable.")
-        args = _positional(args, "run")
-        kwargs = _keywords(kwargs, "run")
+        if type(args) is not tuple:  # the usual tuple needs no check (once per step)
+            args = _positional(args, "run")
+        kwargs = _EMPTY if kwargs is None else _keywords(kwargs, "run")
         return await self._group_class(self, self._slots).run(fn, args, kwargs)
 
     def experimental_distribute_values_from_function(
