@@ -116,9 +116,12 @@ def skeleton(value: object) -> object:
     return None
 
 
-def flatten_with_skeleton(value: object) -> tuple[list, object]:
-    """``(flatten(value), skeleton(value))``, testing a flat list or tuple (the common
-    case, often of a hundred tensors) for nesting once instead of twice."""
-    if isinstance(value, list | tuple) and not any_nested(value):
-        return list(value), (type(value).__name__, len(value))
-    return flatten(value), skeleton(value)
+def flatten_with_skeleton(value: object) -> tuple[list, object, set | None]:
+    """``(flatten(value), skeleton(value), kinds)``, testing a flat list or tuple (the
+    common case, often of a hundred tensors) for nesting once instead of twice.
+    ``kinds``: the set of its leaves' types, for a flat list or tuple; else None."""
+    if isinstance(value, list | tuple):
+        kinds = set(map(type, value))
+        if not any(issubclass(kind, _NESTED) for kind in kinds):
+            return list(value), (type(value).__name__, len(value)), kinds
+    return flatten(value), skeleton(value), None

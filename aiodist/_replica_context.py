@@ -203,8 +203,8 @@ class ReplicaContext:
             options = self._options(options)
         nested = isinstance(value, _NESTED)
         if nested:
-            leaves, skeleton = _nest.flatten_with_skeleton(value)
-            arrays = self._arrays(group, leaves, "all_reduce")
+            leaves, skeleton, kinds = _nest.flatten_with_skeleton(value)
+            arrays = self._arrays(group, leaves, "all_reduce", kinds)
         elif isinstance(value, DistributedValues):
             arrays = self._arrays(group, [value], "all_reduce")  # raises
         else:  # one array or scalar, the common case
@@ -273,8 +273,8 @@ class ReplicaContext:
         axis = as_axis(axis, "all_gather")
         options = self._options(options)
         nested = _nest.is_nested(value)
-        leaves, skeleton = _nest.flatten_with_skeleton(value)
-        arrays = self._arrays(group, leaves, "all_gather")
+        leaves, skeleton, kinds = _nest.flatten_with_skeleton(value)
+        arrays = self._arrays(group, leaves, "all_gather", kinds)
         shapes = []
         for array in arrays:
             along = gather_axis(array, axis, f"all_gather on replica {self._replica_id}")
@@ -322,11 +322,16 @@ class ReplicaContext:
         default = self._strategy._communication_options
         return default if options is None else default.merge(options)
 
-    def _arrays(self, group: RunGroup, leaves: list, method: str) -> list:
-        """``leaves`` (a new list) as arrays on this replica's device."""
+    def _arrays(self, group: RunGroup, leaves: list, method: str, kinds: set | None = None) -> list:
+        """``leaves`` (a new list) as arrays on this replica's device. ``kinds``: the
+        set of their types, when the caller has it (then no test per leaf)."""
         slot = group.slots[self._replica_id]
         native = slot.backend.array_type
-        if native is not None and all(map(native.__instancecheck__, leaves)):
+        if native is not None and (
+            (len(kinds) == 1 and native in kinds)
+            if kinds is not None
+            else all(map(native.__instancecheck__, leaves))
+        ):
             return leaves  # already arrays of this device's kind: nothing to convert
         arrays = []
         for leaf in leaves:

@@ -507,15 +507,19 @@ class RunGroup:
             out = ops._all_reduce_flat(first.op, arrays, devices, options, streams)
         else:
             out = ops._all_gather_flat(arrays, first.axis, devices, options, streams)
-        return self._per_replica(payloads, out)
+        return self._per_replica(payloads, out, signature.key[1])
 
     @staticmethod
-    def _per_replica(payloads: list, out: list[list]) -> list:
-        """Each replica's result: its leaves ``out[r]`` in the structure it passed."""
+    def _per_replica(payloads: list, out: list[list], skeleton: object = None) -> list:
+        """Each replica's result: its leaves ``out[r]`` in the structure it passed
+        (``skeleton``: that structure's, from the signature, if the caller has it)."""
         template = payloads[0].template
         if template is None:  # one array each (signatures matched)
             return [leaves[0] for leaves in out]
-        if type(template) is list and not _nest.any_nested(template):
+        if type(template) is list and (
+            # a flat list's skeleton is ("list", length); a nested one's holds a tuple
+            type(skeleton[1]) is int if skeleton is not None else not _nest.any_nested(template)
+        ):
             # A flat list, and the signatures matched, so every replica passed one:
             # its list of leaves is its result (each a new list).
             return out
