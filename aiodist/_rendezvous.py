@@ -112,7 +112,6 @@ class _Call:
         "next_warning",
         "number",
         "payloads",
-        "signatures",
         "stall_after",
         "started",
         "timeout",
@@ -125,7 +124,8 @@ class _Call:
         self.first = first  # the first arrival's signature, which the others must match
         self.started = started  # time.perf_counter() of the first arrival
         self.arrived = 0  # how many replicas have arrived
-        self.signatures: list[Signature | None] = [None] * num_replicas
+        # No list of signatures: each arrival is compared with the first one as it
+        # comes, and the first mismatch fails the call (see _mismatch_message).
         self.payloads: list[Any] = [None] * num_replicas
         self.futures: list[asyncio.Future | None] = [None] * num_replicas
         self.stall_after: float | None = None
@@ -138,7 +138,7 @@ class _Call:
 
     def arrivals(self) -> list[int]:
         """The replicas that have arrived, in replica order."""
-        return [r for r, signature in enumerate(self.signatures) if signature is not None]
+        return [r for r, future in enumerate(self.futures) if future is not None]
 
 
 Execute = Callable[[int, Signature, list], "list | asyncio.Future"]
@@ -215,7 +215,6 @@ class Rendezvous:
                 call.stall_after = call.next_warning = stall_after
                 if self._watch is not None:
                     self._watch(now + stall_after)
-        call.signatures[replica] = signature
         call.payloads[replica] = payload
         call.futures[replica] = future
         call.arrived += 1
@@ -227,7 +226,8 @@ class Rendezvous:
             # Signature.matches, inlined: this runs for every arrival.
             signature.key != first.key or signature.name != first.name
         ):
-            self._fail(call, CollectiveMismatchError(self._mismatch_message(call)))
+            message = self._mismatch_message(call, replica, signature)
+            self._fail(call, CollectiveMismatchError(message))
         elif self._exited and (gone := self._exited_before(number)) is not None:
             self._fail(call, ReplicaExitedError(self._exit_message(call, *gone)))
         elif call.arrived == self.num_replicas:
@@ -279,7 +279,7 @@ class Rendezvous:
 
     @staticmethod
     def _missing(call: _Call) -> list[int]:
-        return [r for r, signature in enumerate(call.signatures) if signature is None]
+        return [r for r, future in enumerate(call.futures) if future is None]
 
     def _row(self, call: _Call) -> tuple[str, int, list[int], list[int], float]:
         return (call.name, call.number, call.arrivals(), self._missing(call), call.started)
@@ -325,7 +325,9 @@ class Rendezvous:
         except Exception as exc:
             self._fail(call, exc)
             return
-        if isinstance(results, asyncio.Future):
+        if type(results) is list:  # the usual case, tested first: one type check
+            self._deliver(call, results)
+        elif isinstance(results, asyncio.Future):
             results.add_done_callback(lambda done: self._deliver_later(call, done))
         else:
             self._deliver(call, results)
@@ -385,11 +387,13 @@ class Rendezvous:
             "Probably a replica skipped a collective on some condition."
         )
 
-    def _mismatch_message(self, call: _Call) -> str:
+    def _mismatch_message(self, call: _Call, odd: int, signature: Signature) -> str:
+        """Replica ``odd`` arrived with ``signature``, the first not to match: every
+        replica that arrived before it matched the first arrival's."""
         by_text: dict[str, list[int]] = {}
-        for replica, signature in enumerate(call.signatures):
-            if signature is not None:
-                by_text.setdefault(signature.text, []).append(replica)
+        for replica in call.arrivals():
+            text = signature.text if replica == odd else call.first.text
+            by_text.setdefault(text, []).append(replica)
         calls = "; ".join(f"{_replicas(ids)} called {text}" for text, ids in by_text.items())
         missing = self._missing(call)
         not_yet = f" ({_replicas(missing)} not arrived yet)" if missing else ""
