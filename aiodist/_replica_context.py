@@ -226,7 +226,9 @@ class ReplicaContext:
             reducible = _REDUCIBLE[op]
             dtypes = tuple(map(_DTYPE, arrays))
             # Usually one dtype object throughout: count() compares by identity first.
-            if dtypes.count(dtypes[0]) == len(dtypes):
+            if not dtypes:  # an empty structure: nothing to check
+                distinct = ()
+            elif dtypes.count(dtypes[0]) == len(dtypes):
                 distinct = {dtypes[0]} if dtypes[0] not in reducible else ()
             else:
                 distinct = set(dtypes) - reducible

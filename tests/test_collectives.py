@@ -197,6 +197,14 @@ async def test_all_reduce_python_scalars_and_mean_of_ints(two):
     assert local(two, mean)[0].dtype.kind == "f"
 
 
+@pytest.mark.parametrize("empty", [[], (), {}], ids=["list", "tuple", "dict"])
+async def test_all_reduce_of_an_empty_structure_gives_it_back(two, empty):
+    async def fn():
+        return await aiodist.get_replica_context().all_reduce("sum", empty)
+
+    assert await two.run(fn) == empty
+
+
 @pytest.mark.parametrize("bytes_per_pack", [0, 64, 10_000])
 async def test_all_reduce_many_tensors_packed(three, bytes_per_pack):
     options = aiodist.CommunicationOptions(bytes_per_pack=bytes_per_pack)
