@@ -255,7 +255,10 @@ class CrossDeviceOps:
             # they get views of those pieces (a view is cheaper than a slice and a
             # reshape), otherwise their own pieces.
             pieces = _split(flats[0], leaves)
-            same_memory = all(flat.base is flats[0].base for flat in flats)
+            # Host views of one buffer share a base; on GPUs the others' results are
+            # copies, whose base (like the reduced array's own) is None.
+            base = flats[0].base
+            same_memory = base is not None and all(flat.base is base for flat in flats)
             for replica, flat in enumerate(flats):
                 if replica == 0:
                     mine = pieces

@@ -162,6 +162,26 @@ async def test_replicas_sharing_a_gpu_each_get_their_own_result():
         np.testing.assert_array_equal(component.get(), [3.0 * (rid + 1)] * 4)
 
 
+async def test_replicas_sharing_a_gpu_each_get_their_own_batched_results():
+    """The same for a batched all-reduce (a list of leaves, packed): each replica's
+    leaves are its own memory, not views of another replica's."""
+    strategy = _shared(3)
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        leaves = [cupy.ones(4, dtype=cupy.float32), cupy.ones((2, 2), dtype=cupy.float32)]
+        results = await ctx.all_reduce("sum", leaves)
+        for result in results:
+            result *= ctx.replica_id_in_sync_group + 1
+        await asyncio.sleep(0)  # let the others update theirs too
+        return results
+
+    results = await strategy.run(fn)
+    for leaf, shape in zip(results, [(4,), (2, 2)], strict=True):
+        for rid, component in enumerate(strategy.experimental_local_results(leaf)):
+            np.testing.assert_array_equal(component.get(), np.full(shape, 3.0 * (rid + 1)))
+
+
 async def test_all_gather_and_merge_call_on_one_gpu():
     strategy = _shared(4)
 
