@@ -104,6 +104,13 @@ def _host_views(array: np.ndarray, count: int) -> list[np.ndarray]:
     return [shared, *map(_VIEW, repeat(shared, count - 1))]
 
 
+def _aliases(result: Any, inputs: Sequence[Any]) -> bool:
+    """Whether ``result`` is one of ``inputs`` or a view of the same memory (NumPy
+    and CuPy views name the array owning their memory as ``base``)."""
+    owner = result if result.base is None else result.base
+    return any(owner is (array if array.base is None else array.base) for array in inputs)
+
+
 def _split(flat: Any, leaves: Sequence[Any]) -> list:
     """``flat`` cut into views shaped like ``leaves`` (whose sizes add up to it)."""
     shapes = set(map(_SHAPE, leaves))
@@ -240,8 +247,8 @@ class CrossDeviceOps:
                         leaves if whole else [leaves[i] for i in pack], axis=None, out=buffer
                     )
                 reduced = self._reduce_arrays(op, buffers, target)
-                if any(reduced is b or reduced.base is b for b in buffers):
-                    reduced = reduced.copy()  # an accumulation_fn handed back an input
+                if _aliases(reduced, buffers):  # scratch memory must not escape
+                    reduced = reduced.copy()
             else:
                 with backend.on_device(target):
                     buffers = [
@@ -474,6 +481,10 @@ class ReductionToOneDevice(CrossDeviceOps):
         if self.accumulation_fn is not None and op in (ReduceOp.SUM, ReduceOp.MEAN):
             with backend.on_device(target):
                 total = backend.asarray(self.accumulation_fn(values), target)
+                if _aliases(total, values):
+                    # It handed back an input (or a view of one): MEAN would divide
+                    # the replica's own value, and results would share its memory.
+                    total = total.copy()
         elif backend is cpu_backend:
             total = host_combine(_NUMPY_UFUNCS[op], values)
         else:

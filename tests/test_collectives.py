@@ -131,6 +131,27 @@ async def test_float_scalars_reach_ops_that_reduce_their_own_way(ops):
     assert [float(v) for v in local(strategy, await strategy.run(fn))] == [1.5, 1.5]
 
 
+@pytest.mark.parametrize("op", ["sum", "mean"])
+async def test_an_accumulation_fn_returning_an_input_changes_no_replica_value(op):
+    ops = aiodist.ReductionToOneDevice(accumulation_fn=lambda values: values[0][:])
+    strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:1"], cross_device_ops=ops)
+    inputs = [np.full(3, 2.0), np.full(3, 4.0)]
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        return await ctx.all_reduce(op, inputs[rid()]), await ctx.all_reduce(op, [inputs[rid()]])
+
+    single, batched = await strategy.run(fn)
+    expected = 2.0 if op == "sum" else 1.0  # replica 0's value, as the function says
+    for result in [*local(strategy, single), *local(strategy, batched[0])]:
+        np.testing.assert_array_equal(result, [expected] * 3)
+        assert not np.shares_memory(result, inputs[0])
+    np.testing.assert_array_equal(inputs[0], [2.0] * 3)
+    total = await strategy.reduce(op, aiodist.PerReplica(inputs), axis=None)
+    np.testing.assert_array_equal(total, [expected] * 3)
+    np.testing.assert_array_equal(inputs[0], [2.0] * 3)
+
+
 class _CountingOps(aiodist.ReductionToOneDevice):
     """Cross-device ops with their own batched all-reduce (as NcclAllReduce has),
     delegating to the inherited one."""
