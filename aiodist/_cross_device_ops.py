@@ -611,14 +611,23 @@ def _components(value: Any, where: str) -> list:
     return arrays
 
 
-def check_alike(arrays: Sequence[Any], where: str) -> None:
-    # One shape and one dtype: two C-level passes, no Python step per array.
-    if len(set(map(_SHAPE, arrays))) > 1 or len(set(map(_DTYPE, arrays))) > 1:
+def check_alike(arrays: Sequence[Any], where: str, axes: tuple[int, ...] = ()) -> None:
+    """Raise ``InvalidArgumentError`` unless ``arrays`` share one dtype and one shape
+    (``axes``, non-negative: shapes may differ along these, which are reduced)."""
+    if axes:
+        shapes = {tuple(n for i, n in enumerate(a.shape) if i not in axes) for a in arrays}
+    else:  # one C-level pass, no Python step per array
+        shapes = set(map(_SHAPE, arrays))
+    if len(shapes) > 1 or len(set(map(_DTYPE, arrays))) > 1:
         seen = "; ".join(f"replica {i}: {leaf_text(a)}" for i, a in enumerate(arrays))
+        hint = (
+            f"shapes may differ only along the reduced axes {axes}"
+            if axes
+            else "to combine uneven batches, reduce with axis=0 (strategy.reduce) or gather them"
+        )
         raise InvalidArgumentError(
             f"{where}: per-replica values differ in shape or dtype ({seen}); every replica "
-            "must hold the same shape and dtype. To combine uneven batches, reduce with "
-            "axis=0 (strategy.reduce) or gather them."
+            f"must hold the same dtype, and {hint}."
         )
 
 

@@ -421,6 +421,8 @@ class Strategy:
             self.extended._distributed(op, value)  # raises for SUM/PRODUCT of a plain value
         if axis is not None:
             axes = _normalise_axis(axis, parts)
+            check_alike(parts, "reduce", axes)
+            check_reducible(op, parts[0], "reduce")  # one dtype: check_alike said so
             if op is ReduceOp.MEAN:
                 total = sum(np.sum(p, axis=axes) for p in parts)
                 count = sum(int(np.prod([p.shape[a] for a in axes])) for p in parts)
@@ -498,7 +500,14 @@ class Strategy:
 
 
 def _normalise_axis(axis: Any, parts: list) -> tuple[int, ...]:
+    """``axis`` as non-negative axes of every part, which must have one rank."""
     axes = axis if isinstance(axis, list | tuple) else (axis,)
+    if len({p.ndim for p in parts}) > 1:
+        shapes = "; ".join(f"replica {i}: shape {p.shape}" for i, p in enumerate(parts))
+        raise InvalidArgumentError(
+            f"reduce: axis={axis!r} over values of different ranks ({shapes}); every "
+            "replica must hold a value of the same rank."
+        )
     out = []
     for a in axes:
         try:
@@ -514,6 +523,10 @@ def _normalise_axis(axis: Any, parts: list) -> tuple[int, ...]:
                     f"expected {-p.ndim} <= axis < {p.ndim}."
                 )
         out.append(a % parts[0].ndim)
+    if len(set(out)) != len(out):
+        raise InvalidArgumentError(
+            f"reduce: axis={axis!r} names an axis twice; expected distinct axes."
+        )
     return tuple(out)
 
 

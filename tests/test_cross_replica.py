@@ -62,6 +62,28 @@ async def test_reduce_errors(two):
         await two.reduce("avg", uneven, axis=0)
 
 
+@pytest.mark.parametrize("op", ["sum", "mean", "max"])
+async def test_reduce_with_axis_checks_what_it_reduces(two, op):
+    async def reduce(*parts, axis=0):
+        return await two.reduce(op, aiodist.PerReplica(list(parts)), axis=axis)
+
+    # Shapes may differ along the reduced axes only.
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"only along the reduced axes \(1,\)"):
+        await reduce(np.ones((2, 3)), np.ones((3, 3)), axis=1)
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"differ in shape or dtype"):
+        await reduce(np.ones((2, 3)), np.ones((2, 4)), axis=0)
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"differ in shape or dtype"):
+        await reduce(np.ones(3, np.float32), np.ones(3, np.float64))
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"different ranks .*shape \(1, 3\)"):
+        await reduce(np.ones(3), np.ones((1, 3)), axis=-1)
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"names an axis twice"):
+        await reduce(np.ones((2, 2)), np.ones((2, 2)), axis=(0, -2))
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"cannot reduce values of dtype <U1"):
+        await reduce(np.array(["a"]), np.array(["b"]))
+    # Uneven along the reduced axis is what axis= is for.
+    assert (await reduce(np.ones((1, 2)), np.ones((3, 2)), axis=0)).shape == (2,)
+
+
 async def test_reduce_inside_scope_and_from_merge_fn(two):
     value = per_replica(two, lambda r: float(r + 1))
     with two.scope():
