@@ -607,7 +607,7 @@ from ._cross_device_ops import (  # noqa: E402
 )
 from ._options import CommunicationOptions  # noqa: E402
 from ._scheduler import RunGroup  # noqa: E402
-from ._strategy import Strategy, StrategyExtended, _normalise_axis  # noqa: E402
+from ._strategy import Strategy, StrategyExtended, _local_parts  # noqa: E402
 from ._values import DistributedValues, PerReplica  # noqa: E402
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
@@ -902,12 +902,8 @@ class MultiWorkerMirroredStrategy(Strategy):
     async def _reduce_across(self, op: ReduceOp, value: Any, axis: Any, options: Any) -> Any:
         parts = await self._host_components(self._per_local_replica(value))
         timeout = self._communication_options.merge(options).timeout_seconds
-        count = len(parts)
-        if axis is not None:
-            axes = _normalise_axis(axis, parts)
-            count = sum(int(np.prod([p.shape[a] for a in axes])) for p in parts)
-            ufunc = np.add if op is ReduceOp.MEAN else getattr(np, op.ufunc)
-            parts = [np.asarray(ufunc.reduce(p, axis=axes)) for p in parts]
+        # The checks and per-replica reductions of strategy.reduce (MEAN: sums).
+        parts, count = _local_parts(op, parts, axis)
         local_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
         local = self.extended._cross_device_ops._reduce_arrays(
             local_op,

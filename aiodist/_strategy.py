@@ -419,20 +419,12 @@ class Strategy:
         parts = await self._host_components(value)
         if len(parts) == 1:
             self.extended._distributed(op, value)  # raises for SUM/PRODUCT of a plain value
-        if axis is not None:
-            axes = _normalise_axis(axis, parts)
-            check_alike(parts, "reduce", axes)
-            check_reducible(op, parts[0], "reduce")  # one dtype: check_alike said so
-            if op is ReduceOp.MEAN:
-                total = sum(np.sum(p, axis=axes) for p in parts)
-                count = sum(int(np.prod([p.shape[a] for a in axes])) for p in parts)
-                return np.asarray(np.true_divide(total, count))
-            parts = [getattr(np, op.ufunc).reduce(p, axis=axes) for p in parts]
+        parts, count = _local_parts(op, parts, axis)
+        if axis is not None and op is ReduceOp.MEAN:
+            return np.asarray(np.true_divide(sum(parts), count))
         if len(parts) == 1 and op is ReduceOp.MEAN:
             return np.asarray(parts[0]).copy()
         # Straight to the reduction primitive: the parts are host arrays already.
-        check_alike(parts, "reduce")
-        check_reducible(op, parts[0], "reduce")  # one dtype: check_alike said so
         return self.extended._cross_device_ops._reduce_arrays(op, parts, _HOST)
 
     async def gather(self, value: Any, axis: int) -> Any:
@@ -497,6 +489,22 @@ class Strategy:
             yield
         finally:
             backend.order_replicas_after(self._slots)
+
+
+def _local_parts(op: ReduceOp, parts: list, axis: Any) -> tuple[list, int]:
+    """``strategy.reduce``'s per-replica host ``parts``, checked for ``op`` and, with
+    ``axis``, each reduced along it (MEAN: summed); and how many elements a MEAN
+    divides by."""
+    if axis is None:
+        check_alike(parts, "reduce")
+        check_reducible(op, parts[0], "reduce")  # one dtype: check_alike said so
+        return parts, len(parts)
+    axes = _normalise_axis(axis, parts)
+    check_alike(parts, "reduce", axes)
+    check_reducible(op, parts[0], "reduce")
+    count = sum(int(np.prod([p.shape[a] for a in axes])) for p in parts)
+    ufunc = getattr(np, op.ufunc)  # MEAN's is add
+    return [np.asarray(ufunc.reduce(p, axis=axes)) for p in parts], count
 
 
 def _normalise_axis(axis: Any, parts: list) -> tuple[int, ...]:

@@ -83,6 +83,13 @@ async def compute(strategy: aiodist.Strategy) -> dict:
                 "mean", [(ids, "cpu:0"), (ids, "cpu:0")]
             ),
         }
+        flags = strategy.experimental_distribute_values_from_function(
+            lambda ctx: np.array([ctx.replica_id_in_sync_group % 2 == 0])
+        )
+        try:  # refused on every layout, as in one process
+            cross["reduce_bools"] = await strategy.reduce("sum", flags, axis=None)
+        except aiodist.InvalidArgumentError as exc:
+            cross["reduce_bools"] = str(exc)
         weights = aiodist.Variable(np.zeros(2), aggregation="mean", name="weights")
         counter = aiodist.Variable(np.zeros(()), aggregation="sum", name="counter")
 
