@@ -39,7 +39,8 @@ from ._backends import backend_for, host_array, is_cupy_array
 from ._devices import Device
 from ._errors import ContextError, InvalidArgumentError
 from ._ops import ReduceOp
-from ._values import DistributedValues, Mirrored
+from ._replica_context import _keywords, _positional
+from ._values import DistributedValues, Mirrored, select_replica
 
 __all__ = [
     "MirroredVariable",
@@ -565,21 +566,20 @@ async def update(
     replica. Runs each call with the copy's device (and stream) current.
     Returns a ``Mirrored`` of the results, or a tuple with ``group=False``.
     """
-    from ._values import select_replica
-
     if not isinstance(variable, Variable):
         raise InvalidArgumentError(
             f"update: var={variable!r}; expected an aiodist.Variable made in this strategy's scope."
         )
     if not callable(fn):
         raise InvalidArgumentError(f"update: fn={fn!r} is not callable.")
-    kwargs = kwargs or {}
+    args = _positional(args, "update")
+    kwargs = _keywords(kwargs, "update")
     copies = variable._copies()
     strategy = variable._strategy
     slots = strategy._slots if strategy is not None else None
     results = []
     for i, copy in enumerate(copies):
-        copy_args = select_replica(i, tuple(args), len(copies))
+        copy_args = select_replica(i, args, len(copies))
         copy_kwargs = select_replica(i, kwargs, len(copies))
         token = slots[i].backend.activate(slots[i].device, slots[i].stream) if slots else None
         try:

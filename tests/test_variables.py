@@ -443,6 +443,17 @@ async def test_update_refuses_an_async_fn(two):
     assert copies(two, v) == [0.0, 0.0]
 
 
+async def test_update_checks_its_args_and_kwargs(two):
+    with two.scope():
+        v = aiodist.Variable(0.0)
+        with pytest.raises(aiodist.InvalidArgumentError, match=r"update: args must be a list"):
+            await two.extended.update(v, lambda copy, a, b: None, args=np.array([1.0, 2.0]))
+        with pytest.raises(aiodist.InvalidArgumentError, match=r"update: kwargs must be a dict"):
+            await two.extended.update(v, lambda copy, a: None, kwargs=[("a", 1)])
+        await two.extended.update(v, lambda copy, a, b: copy.assign(a + b), args=[1.0, 2.0])
+    assert copies(two, v) == [3.0, 3.0]
+
+
 async def test_checkpoint_files_follow_the_umask(tmp_path):
     import os
 
