@@ -30,6 +30,12 @@ __all__ = ["restore_variables", "save_variables"]
 def _by_name(variables: Mapping[str, Variable] | Sequence[Variable], where: str) -> dict:
     if isinstance(variables, Mapping):
         named = dict(variables)
+        for name, variable in named.items():
+            if not isinstance(name, str) or not isinstance(variable, Variable):
+                raise InvalidArgumentError(
+                    f"{where}: the entry {name!r}: {variable!r} is not a str name and an "
+                    "aiodist.Variable; pass a dict {name: aiodist.Variable} with str names."
+                )
     elif isinstance(variables, Sequence) and not isinstance(variables, str | bytes):
         named = {}
         for variable in variables:

@@ -454,6 +454,15 @@ async def test_update_checks_its_args_and_kwargs(two):
     assert copies(two, v) == [3.0, 3.0]
 
 
+async def test_checkpoint_dicts_need_str_names_and_variables(tmp_path):
+    v = aiodist.Variable(1.0)
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"the entry 1: .* not a str name"):
+        await aiodist.save_variables(tmp_path / "c.npz", {1: v})
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"the entry 'w': 2.0 is not"):
+        await aiodist.save_variables(tmp_path / "c.npz", {"v": v, "w": 2.0})
+    assert not (tmp_path / "c.npz").exists()
+
+
 async def test_checkpoint_files_follow_the_umask(tmp_path):
     import os
 
