@@ -259,6 +259,26 @@ async def test_async_trace_and_one_trace_at_a_time(tmp_path, two):
     assert not (tmp_path / "b.json").exists()
 
 
+async def test_await_chain_shows_no_scheduler_frames_while_tracing(two, tmp_path):
+    # While tracing, a plain replica function returning a coroutine runs inside two
+    # scheduler wrappers (_traced, _call); the chain starts at the user's frames.
+    from aiodist._stall import await_chain
+
+    event = asyncio.Event()
+
+    def replica_fn():
+        return helper(event)
+
+    with aiodist.trace(tmp_path / "t.json"):
+        run = asyncio.create_task(two.run(replica_fn))
+        await asyncio.sleep(0.01)
+        group = next(iter(two._live_groups))
+        names = [entry.split(" (")[0] for entry in await_chain(group._tasks[0].get_coro())]
+        event.set()
+        await run
+    assert names[:2] == ["helper", "stuck_in_io"]
+
+
 async def test_await_chain_follows_the_stream_driver():
     """GPU replicas are driven by _streams.drive; stall reports must still show user frames."""
     from aiodist._stall import await_chain
