@@ -19,7 +19,7 @@ surface:
   its work is done when issued, and the scheduler does not call them;
 - ``on_device(device)`` is a context manager making ``device`` current (where
   kernels and copies go), ``asarray(value, device)`` places a value on a
-  device, ``to_host(array)`` copies it back, and ``xp`` is the array namespace
+  device, ``host_array(value)`` copies one back, and ``xp`` is the array namespace
   (``numpy`` or ``cupy``).
 
 ``import aiodist`` imports NumPy only; CuPy is imported the first time a GPU
@@ -86,9 +86,6 @@ class CpuBackend:
 
     def asarray(self, value: object, device: Device) -> np.ndarray:
         return value if type(value) is np.ndarray else np.asarray(value)
-
-    def to_host(self, value: object) -> np.ndarray:
-        return np.asarray(value)
 
     def shared_view(self, array: np.ndarray) -> np.ndarray:
         """A new read-only array object over ``array``'s memory.

@@ -32,7 +32,7 @@ import numpy as np
 from . import _context
 from ._arrays import check_reducible, gather_axis, leaf_text, mean_of_sum
 from ._backends import backend_for, cpu_backend, is_cupy_array
-from ._devices import Device, parse_device
+from ._devices import HOST, Device, parse_device
 from ._errors import InvalidArgumentError
 from ._host_reduce import combine as host_combine
 from ._host_reduce import combine_scalars, pack_buffers
@@ -321,7 +321,7 @@ class CrossDeviceOps:
         _context.require_cross_replica(None, "CrossDeviceOps.reduce")
         op = ReduceOp.of(reduce_op)
         devices = resolve_destinations(destinations)
-        arrays = _components(per_replica_value, "reduce")
+        arrays = _components(per_replica_value)
         check_alike(arrays, "reduce")
         for array in arrays:
             check_reducible(op, array, "reduce")
@@ -370,7 +370,7 @@ class CrossDeviceOps:
         """Concatenate the components of ``per_replica_value`` along ``axis``."""
         _context.require_cross_replica(None, "CrossDeviceOps.gather")
         devices = resolve_destinations(destinations)
-        arrays = _components(per_replica_value, "gather")
+        arrays = _components(per_replica_value)
         _check_gatherable(arrays, axis, "gather")
         backend = backend_for(devices[0])
         parts = [backend.asarray(array, devices[0]) for array in arrays]
@@ -598,7 +598,7 @@ def _combine_on_device(xp: Any, op: ReduceOp, values: Sequence[Any]) -> Any:
     return total
 
 
-def _components(value: Any, where: str) -> list:
+def _components(value: Any) -> list:
     if isinstance(value, DistributedValues):
         parts = list(value._values)
         devices = value._devices or (None,) * len(parts)
@@ -606,7 +606,7 @@ def _components(value: Any, where: str) -> list:
         parts, devices = [value], (None,)
     arrays = []
     for part, device in zip(parts, devices, strict=True):
-        device = device or Device("CPU", 0)
+        device = device or HOST
         arrays.append(backend_for(device).asarray(part, device))
     return arrays
 

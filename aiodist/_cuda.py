@@ -248,10 +248,6 @@ class GpuBackend:
         _wait_on(source_stream, source, [_event_on(target_stream, target)])
         return copy
 
-    def to_host(self, value: object) -> np.ndarray:
-        """A blocking copy to the host (for the synchronous APIs that promise one)."""
-        return value.get() if isinstance(value, cupy.ndarray) else np.asarray(value)
-
     async def to_host_async(self, arrays: Sequence[Any]) -> list[np.ndarray]:
         """``arrays`` copied to pinned host memory, each on its device's current
         stream; the loop keeps running while the copies are in flight."""
@@ -439,13 +435,6 @@ _NCCL_NAMES = {
 }
 _WIDENED = {"bool": "uint8", "int16": "int32", "uint16": "uint32"}
 _COMPLEX_AS = {"complex64": "float32", "complex128": "float64"}
-_NCCL_OPS = {
-    ReduceOp.SUM: "NCCL_SUM",
-    ReduceOp.MEAN: "NCCL_SUM",  # then divided by the replica count on each stream
-    ReduceOp.MIN: "NCCL_MIN",
-    ReduceOp.MAX: "NCCL_MAX",
-    ReduceOp.PRODUCT: "NCCL_PROD",
-}
 
 
 def travel_dtype(op: ReduceOp, dtype: np.dtype) -> np.dtype:
@@ -527,7 +516,7 @@ def all_reduce(
         key = (travel_dtype(op, leaf.dtype), leaf.dtype.kind == "c")
         groups.setdefault(key, []).append(index)
     out: list[list] = [[None] * len(first) for _ in range(n)]
-    nccl_op = getattr(nccl, _NCCL_OPS[op])
+    nccl_op = getattr(nccl, op.nccl_op)  # MEAN: NCCL_SUM, then divided on each stream
     for (travel, _), members in groups.items():
         datatype = getattr(nccl, _NCCL_NAMES[travel.name])
         sends, buffers = [], []

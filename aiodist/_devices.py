@@ -12,7 +12,7 @@ import re
 
 from ._errors import DeviceError
 
-__all__ = ["Device", "canonical_device", "parse_device"]
+__all__ = ["HOST", "Device", "canonical_device", "parse_device"]
 
 _DEVICE_RE = re.compile(
     r"""^
@@ -50,6 +50,10 @@ class Device:
     def name(self) -> str:
         """The canonical name, ``"/device:KIND:i"``."""
         return str(self)
+
+
+# Where host (NumPy) values live and cross-replica results on the host are made.
+HOST = Device("CPU", 0)
 
 
 def parse_device(spec: str | Device) -> Device:

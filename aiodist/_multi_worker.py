@@ -60,6 +60,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _poll
+from ._devices import HOST as _HOST
 from ._devices import Device
 from ._errors import (
     CollectiveMismatchError,
@@ -611,7 +612,6 @@ from ._strategy import Strategy, StrategyExtended, _local_parts  # noqa: E402
 from ._values import DistributedValues, PerReplica  # noqa: E402
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
-_HOST = Device("CPU", 0)
 
 
 async def _reduce_leaves(

@@ -68,10 +68,8 @@ class ReduceOp(enum.Enum):
         """``value`` as a ReduceOp; raises ``InvalidArgumentError`` for anything else."""
         try:  # hot path: a member, or its name in upper or lower case (one dict lookup)
             return _BY_KEY[value]
-        except (KeyError, TypeError):
+        except (KeyError, TypeError):  # every member is a key: anything else is refused
             pass
-        if isinstance(value, cls):
-            return value
         return cls(value)
 
     @property

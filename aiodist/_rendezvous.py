@@ -69,7 +69,7 @@ class Signature(NamedTuple):
     on every replica (op, structure, shapes, dtypes), and ``describe`` says it
     for a person (``"all_reduce(SUM, float32[3])"``): a string, or a callable
     that builds one, since the text is only needed when something goes wrong.
-    Two signatures match when their names and keys are equal (``matches``).
+    Two signatures match when their names and keys are equal.
     """
 
     name: str
@@ -79,9 +79,6 @@ class Signature(NamedTuple):
     @property
     def text(self) -> str:
         return self.describe if isinstance(self.describe, str) else self.describe()
-
-    def matches(self, other: Signature) -> bool:
-        return self is other or (self.name == other.name and self.key == other.key)
 
     def __repr__(self) -> str:
         return f"Signature({self.text})"
@@ -223,7 +220,7 @@ class Rendezvous:
         if call.failure is not None:
             future.set_exception(call.failure)
         elif signature is not first and (
-            # Signature.matches, inlined: this runs for every arrival.
+            # The same object (shared one-array signatures), or equal name and key.
             signature.key != first.key or signature.name != first.name
         ):
             message = self._mismatch_message(call, replica, signature)
@@ -256,10 +253,8 @@ class Rendezvous:
         if not self._pending:
             return
         for call in list(self._pending.values()):
-            if call.failure is None:
+            if call.failure is None:  # a failed call's timer was cancelled then
                 self._fail(call, self._closed_error())
-            elif call.timer is not None:
-                call.timer.cancel()
         self._pending.clear()
 
     def _closed_error(self) -> RendezvousError:

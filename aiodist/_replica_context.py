@@ -25,7 +25,7 @@ from . import _context, _nest
 from ._arrays import as_axis, check_reducible, gather_axis, leaf_text, structure_text
 from ._backends import cpu_backend
 from ._errors import ContextError, InvalidArgumentError
-from ._ops import ReduceOp
+from ._ops import _BY_KEY, ReduceOp
 from ._options import CommunicationOptions
 from ._rendezvous import Signature
 from ._values import DistributedValues
@@ -38,7 +38,6 @@ __all__ = ["AllGatherPayload", "AllReducePayload", "MergePayload", "ReplicaConte
 
 
 _STATE = _context._STATE
-_OPS = {name: op for op in ReduceOp for name in (op.name, op.name.lower())}
 _NESTED = (list, tuple, dict)
 _new = tuple.__new__  # builds a NamedTuple in C, without its Python-level __new__
 _SHAPE = operator.attrgetter("shape")
@@ -194,7 +193,7 @@ class ReplicaContext:
         # tuple construction, and no structure walk for a single array.
         state = _STATE.get()
         group = state.group if state.replica is self else self._group("all_reduce")
-        op = _OPS.get(reduce_op) if type(reduce_op) is str else None
+        op = _BY_KEY.get(reduce_op) if type(reduce_op) is str else None
         if op is None:
             op = ReduceOp.of(reduce_op)
         if options is None:

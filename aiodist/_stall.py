@@ -24,6 +24,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from ._rendezvous import _replicas
 from ._streams import drive, step_through
 
 if TYPE_CHECKING:
@@ -115,11 +116,6 @@ class Watchdog:
             next_due = min(next_due, group_next)
         if next_due < math.inf:
             self.ensure(next_due)
-
-
-def _replicas(ids: list[int]) -> str:
-    word = "replica" if len(ids) == 1 else "replicas"
-    return f"{word} {', '.join(map(str, ids)) or 'none'}"
 
 
 def _report(

@@ -20,6 +20,7 @@ from . import _context, _nest, _variables
 from ._arrays import as_axis, check_reducible
 from ._backends import backend_for, is_cupy_array, is_cupy_type, visible_gpu_count
 from ._cross_device_ops import CrossDeviceOps, NcclAllReduce, ReductionToOneDevice, check_alike
+from ._devices import HOST as _HOST
 from ._devices import Device, parse_device
 from ._errors import ContextError, DeviceError, InvalidArgumentError
 from ._input import DistributedDataset, InputContext, InputOptions, from_function
@@ -40,7 +41,6 @@ __all__ = [
 ]
 
 _HOST_KINDS = frozenset({np.ndarray, *np.sctypeDict.values()})  # NumPy arrays and scalars
-_HOST = Device("CPU", 0)
 
 
 class ValueContext:

@@ -36,6 +36,7 @@ import numpy as np
 from . import _context
 from ._arrays import mean_of_sum
 from ._backends import backend_for, host_array, is_cupy_array
+from ._devices import HOST as _HOST
 from ._devices import Device
 from ._errors import ContextError, InvalidArgumentError
 from ._ops import ReduceOp
@@ -50,8 +51,6 @@ __all__ = [
     "VariableCopy",
     "VariableSynchronization",
 ]
-
-_HOST = Device("CPU", 0)
 
 
 class VariableAggregation(enum.Enum):

@@ -40,7 +40,8 @@ def test_nccl_apis_exist():
 
     if not nccl.available:
         pytest.skip("NCCL's library is not installed (pip install nvidia-nccl-cu12)")
-    for name in (*cuda._NCCL_NAMES.values(), *cuda._NCCL_OPS.values(), "NCCL_UINT8"):
+    ops = (op.nccl_op for op in cuda.ReduceOp)
+    for name in (*cuda._NCCL_NAMES.values(), *ops, "NCCL_UINT8"):
         assert isinstance(getattr(nccl, name), int), name
     communicator = nccl.NcclCommunicator
     for name in ("initAll", "allReduce", "allGather", "bcast"):
