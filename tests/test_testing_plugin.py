@@ -165,3 +165,8 @@ async def test_default_tolerance_follows_the_dtype():
 
     for _ in range(5):
         await assert_same_on_replicas(loss_sum, batch, combine="sum")
+
+    async def half_sum(rows):  # float16 resolves about 1e-3
+        return rows.astype(np.float16).sum(axis=0)
+
+    await assert_same_on_replicas(half_sum, batch / 1000, combine="sum")
