@@ -502,10 +502,11 @@ class RunGroup:
             arrays = [payload.arrays[0] for payload in payloads]
             return ops._all_reduce_one(first.op, arrays, devices, options, streams)
         arrays = [payload.arrays for payload in payloads]
-        self.bytes_reduced += sum(map(_NBYTES, first.arrays)) * self.num_replicas
-        if signature.name == "all_reduce":
+        if signature.name == "all_reduce":  # one shape per leaf on every replica
+            self.bytes_reduced += sum(map(_NBYTES, first.arrays)) * self.num_replicas
             out = ops._all_reduce_flat(first.op, arrays, devices, options, streams)
-        else:
+        else:  # shapes may differ along the gathered axis
+            self.bytes_reduced += sum(sum(map(_NBYTES, leaves)) for leaves in arrays)
             out = ops._all_gather_flat(arrays, first.axis, devices, options, streams)
         return self._per_replica(payloads, out, signature.key[1])
 

@@ -161,7 +161,7 @@ async def test_statistics_count_every_kind(two):
     async def fn():
         ctx = aiodist.get_replica_context()
         await ctx.all_reduce("sum", [1.0, 2.0])
-        await ctx.all_gather(np.ones(3), axis=0)
+        await ctx.all_gather(np.ones(3 + ctx.replica_id_in_sync_group), axis=0)  # 3 and 4
         await ctx.merge_call(lambda s: None)
 
     await two.run(fn)
@@ -169,7 +169,7 @@ async def test_statistics_count_every_kind(two):
     stats = two.statistics()
     assert stats.runs == 2
     assert dict(stats.collectives) == {"all_reduce": 2, "all_gather": 2, "merge_call": 2}
-    assert stats.bytes_reduced == 2 * (2 * 2 * 8 + 2 * 3 * 8)
+    assert stats.bytes_reduced == 2 * (2 * 2 * 8 + (3 + 4) * 8)
 
 
 # -- traces --------------------------------------------------------------------------
