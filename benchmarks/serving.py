@@ -79,7 +79,10 @@ async def measure(devices: list[str], levels: list[int], total: int) -> list[dic
         port = server.servers[0].sockets[0].getsockname()[1]
         try:
             for concurrency in levels:
+                before = app.state.batcher.stats()  # the batcher serves every level
                 result = await _load(port, total, concurrency)
+                after = app.state.batcher.stats()
+                batches = after.batches - before.batches
                 latencies = sorted(result["latencies"])
                 rows.append(
                     {
@@ -88,7 +91,7 @@ async def measure(devices: list[str], levels: list[int], total: int) -> list[dic
                         "requests_per_second": total / result["seconds"],
                         "p50": statistics.median(latencies),
                         "p99": latencies[int(0.99 * (len(latencies) - 1))],
-                        "mean_batch_size": app.state.batcher.stats().mean_batch_size,
+                        "mean_batch_size": (after.rows - before.rows) / batches if batches else 0.0,
                     }
                 )
         finally:
