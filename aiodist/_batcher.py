@@ -37,7 +37,7 @@ import numpy as np
 
 from ._errors import AiodistError, InvalidArgumentError
 from ._input import split_batch
-from ._values import PerReplica
+from ._values import regroup
 
 __all__ = ["Batcher", "BatcherStats", "NotServing", "Overloaded"]
 
@@ -359,9 +359,10 @@ class Batcher:
             self._slots.release()
 
     async def _run_batch(self, rows: np.ndarray) -> np.ndarray:
-        n = self.strategy.num_replicas_in_sync
-        shards = split_batch(rows, n)
-        inputs = shards[0] if n == 1 else PerReplica(shards)
+        # This process's replicas (under MultiWorkerMirroredStrategy every worker
+        # batches its own requests, not a share of a global batch).
+        strategy = self.strategy
+        inputs = regroup(split_batch(rows, len(strategy._slots)), strategy._devices)
         result = await self.strategy.run(self.step_fn, args=(inputs,))
         parts = self.strategy.experimental_local_results(result)
         outputs = np.concatenate([np.asarray(part) for part in parts])

@@ -432,10 +432,8 @@ class DistributedDataset:
                 _nest.map_structure(lambda a, s=slot: s.backend.asarray(a, s.device), shard)
                 for slot, shard in zip(self._slots, shards, strict=True)
             ]
-        devices = tuple(slot.device for slot in self._slots)
-        if len(shards) == 1:
-            return shards[0]
-        return regroup(shards, devices, what="yielded")
+        # One shard is returned as it is (regroup of a single value).
+        return regroup(shards, tuple(slot.device for slot in self._slots), what="yielded")
 
 
 class _Sources:

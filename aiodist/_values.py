@@ -96,7 +96,7 @@ def _component(value: DistributedValues, replica_id: int, num_replicas: int) -> 
     if len(value._values) != num_replicas:
         raise InvalidArgumentError(
             f"a {type(value).__name__} with {len(value._values)} values was used where "
-            f"{num_replicas} replicas are in sync; pass values made by this strategy "
+            f"this process runs {num_replicas} replica(s); pass values made by this strategy "
             "(its run, experimental_distribute_values_from_function, or datasets)."
         )
     return value._values[replica_id]

@@ -163,8 +163,7 @@ async def assert_same_on_replicas(
     reference, reference_count = None, None
     for count in replicas:
         strategy = cpu_strategy(count)
-        shards = split_batch(batch, count)
-        inputs = shards[0] if count == 1 else regroup(shards, strategy._devices)
+        inputs = regroup(split_batch(batch, count), strategy._devices)
         result = await strategy.run(step_fn, args=(inputs,))
         answer = await _combine(strategy, result, combine)
         if reference is None:

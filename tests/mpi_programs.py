@@ -252,6 +252,28 @@ async def _concurrent(strategy: aiodist.Strategy) -> list:
     return [strategy.experimental_local_results(r)[0].tolist() for r in results]
 
 
+async def _batcher(strategy: aiodist.Strategy) -> dict:
+    """Each worker serves its own requests on its own replicas."""
+    from aiodist.serving import Batcher
+
+    seen = []
+
+    async def forward(rows):
+        seen.append([aiodist.get_replica_context().replica_id_in_sync_group, len(rows)])
+        return rows * 2
+
+    offset = 100 * strategy.worker_index
+    batcher = Batcher(strategy, forward, max_batch_size=6, max_wait_seconds=0.05)
+    async with batcher.lifespan():
+        requests = [np.arange(6.0).reshape(3, 2) + offset + 10 * k for k in range(4)]
+        answers = await asyncio.gather(*(batcher.submit(rows) for rows in requests))
+    return {
+        "right": all(np.array_equal(a, r * 2) for a, r in zip(answers, requests, strict=True)),
+        "replicas": sorted({replica for replica, _ in seen}),
+        "rows": sum(rows for _, rows in seen),
+    }
+
+
 def _run(coro):
     """On the loop named by AIODIST_TEST_LOOP: uvloop (aiodist.run's) or asyncio."""
     if os.environ.get("AIODIST_TEST_LOOP") == "asyncio":
@@ -272,6 +294,7 @@ def main() -> None:
         "inputs": _inputs,
         "concurrent": _concurrent,
         "busy": _read_while_busy,
+        "batcher": _batcher,
     }[mode]
     _report(strategy, _run(work(strategy)))
 

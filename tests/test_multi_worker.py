@@ -152,6 +152,15 @@ def test_input_contexts_name_workers_and_global_replicas():
     assert results[1]["contexts"] == [[2, 1, 3], [3, 2, 3]]
 
 
+def test_a_batcher_on_each_worker_splits_its_batches_over_its_own_replicas():
+    rc, results, output, _ = _program(2, "batcher", [2, 1])
+    assert rc == 0, output[-3000:]
+    # Worker 0 holds global replicas 0 and 1, worker 1 replica 2; each ran all
+    # of its own 12 rows.
+    assert results[0] == {"right": True, "replicas": [0, 1], "rows": 12}
+    assert results[1] == {"right": True, "replicas": [2], "rows": 12}
+
+
 def test_concurrent_runs_are_serialised_and_all_correct():
     rc, results, output, _ = _program(2, "concurrent", [2, 2])
     assert rc == 0, output[-3000:]
