@@ -592,14 +592,15 @@ class RunGroup:
         arrived, so the rendezvous' own timeout no longer runs: timeout_seconds
         bounds the merge_fn itself."""
         timeout = self.strategy._communication_options.timeout_seconds
-        expiry = None
-        if timeout is not None:
-            loop = self._loop or get_running_loop()  # the default group has no run loop
-            expiry = loop.call_later(timeout, asyncio.current_task(loop).cancel)
+        scope = None
         try:
-            result = await coro
-        except asyncio.CancelledError:
-            if timeout is not None and not self._cancelling:
+            if timeout is None:
+                result = await coro
+            else:  # expired() tells its own cancellation from any other
+                async with asyncio.timeout(timeout) as scope:
+                    result = await coro
+        except TimeoutError:
+            if scope is not None and scope.expired():
                 raise RendezvousTimeoutError(
                     f"merge_call #{number}: merge_fn did not finish within {timeout:g} s "
                     "(CommunicationOptions.timeout_seconds) and was cancelled; make it "
@@ -607,8 +608,6 @@ class RunGroup:
                 ) from None
             raise
         finally:
-            if expiry is not None:
-                expiry.cancel()
             self._aux.discard(asyncio.current_task(self._loop))
         return self._for_each_replica(result)
 

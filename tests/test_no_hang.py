@@ -303,3 +303,40 @@ async def test_timeout_bounds_a_slow_async_merge_fn():
     assert isinstance(raised, aiodist.RendezvousTimeoutError)
     assert "merge_call #0: merge_fn did not finish within 0.05 s" in str(raised)
     assert sorted(errors) == [0, 1]
+
+
+async def test_a_cancellation_inside_an_async_merge_fn_is_not_reported_as_its_timeout():
+    strategy = aiodist.MirroredStrategy(
+        cpu_devices(2), communication_options=aiodist.CommunicationOptions(timeout_seconds=30)
+    )
+    waited = asyncio.get_running_loop().create_future()
+
+    async def merge_fn(s):
+        await waited  # cancelled below, long before the 30 s
+
+    async def fn():
+        return await aiodist.get_replica_context().merge_call(merge_fn)
+
+    running = asyncio.ensure_future(strategy.run(fn))
+    await asyncio.sleep(0.01)
+    waited.cancel()
+    with pytest.raises(aiodist.RendezvousError, match=r"merge_call #0 was cancelled") as raised:
+        await running
+    assert not isinstance(raised.value, aiodist.RendezvousTimeoutError)
+
+
+async def test_a_timeout_raised_inside_an_async_merge_fn_is_its_own():
+    strategy = aiodist.MirroredStrategy(
+        cpu_devices(2), communication_options=aiodist.CommunicationOptions(timeout_seconds=30)
+    )
+
+    async def merge_fn(s):
+        async with asyncio.timeout(0.01):
+            await asyncio.Event().wait()
+
+    async def fn():
+        return await aiodist.get_replica_context().merge_call(merge_fn)
+
+    with pytest.raises(TimeoutError) as raised:
+        await strategy.run(fn)
+    assert not isinstance(raised.value, aiodist.RendezvousTimeoutError)
