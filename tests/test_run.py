@@ -112,7 +112,7 @@ async def test_per_replica_of_wrong_length_is_rejected(two, three):
     async def fn(x):
         return x
 
-    with pytest.raises(aiodist.InvalidArgumentError, match=r"3 values .* 2 replicas"):
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"3 values .* runs 2 replica"):
         await two.run(fn, args=(per3,))
 
 
