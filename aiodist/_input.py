@@ -196,20 +196,37 @@ def _empty_like(structure: object) -> object:
 # -- sources -------------------------------------------------------------------------
 
 
+def _check_iterable(iterable: Any, where: str) -> None:
+    """Refuse what cannot be iterated, without opening it: iterating a data loader
+    can start its workers."""
+    if hasattr(iterable, "__aiter__"):
+        return
+    if hasattr(iterable, "__iter__") and not isinstance(iterable, str | bytes):
+        return
+    raise InvalidArgumentError(
+        f"{where}: {iterable!r} is not iterable; expected an iterable or async "
+        "iterable of batches (a list, a generator, an async generator, ...)."
+    )
+
+
+def _input_options(options: Any) -> InputOptions:
+    if options is None:
+        return InputOptions()
+    if not isinstance(options, InputOptions):
+        raise InvalidArgumentError(f"options={options!r}; expected aiodist.InputOptions or None.")
+    return options
+
+
 class _Source:
     """A sync or async iterable, read one element at a time from the loop."""
 
     def __init__(self, iterable: Any, where: str):
+        _check_iterable(iterable, where)
         if hasattr(iterable, "__aiter__"):
             self._async: AsyncIterator | None = iterable.__aiter__()
             self._sync: Iterator | None = None
-        elif hasattr(iterable, "__iter__") and not isinstance(iterable, str | bytes):
-            self._async, self._sync = None, iter(iterable)
         else:
-            raise InvalidArgumentError(
-                f"{where}: {iterable!r} is not iterable; expected an iterable or async "
-                "iterable of batches (a list, a generator, an async generator, ...)."
-            )
+            self._async, self._sync = None, iter(iterable)
 
     @property
     def is_async(self) -> bool:
@@ -374,20 +391,15 @@ class DistributedDataset:
         per_replica_sources: bool = False,
         where: str = "experimental_distribute_dataset",
     ):
-        if options is None:
-            options = InputOptions()
-        elif not isinstance(options, InputOptions):
-            raise InvalidArgumentError(
-                f"options={options!r}; expected aiodist.InputOptions or None."
-            )
         self._strategy = strategy
-        self._options = options
+        self._options = _input_options(options)
         self._where = where
         self._source_iterable = source_iterable
         self._per_replica_sources = per_replica_sources  # from_function: see _open
         self._slots: Sequence[ReplicaSlot] = strategy._slots
-        if not per_replica_sources:
-            _Source(source_iterable, where)  # validate now: fail at the call, not later
+        # Validated now, to fail at the call rather than at the first batch.
+        for iterable in source_iterable if per_replica_sources else [source_iterable]:
+            _check_iterable(iterable, where)
 
     def __repr__(self) -> str:
         return f"<DistributedDataset over {self._source_iterable!r}>"
@@ -483,10 +495,7 @@ def from_function(
             f"distribute_datasets_from_function: dataset_fn={dataset_fn!r} is not callable; "
             "expected a function taking an InputContext and returning an iterable."
         )
-    if options is None:
-        options = InputOptions()
-    elif not isinstance(options, InputOptions):
-        raise InvalidArgumentError(f"options={options!r}; expected aiodist.InputOptions or None.")
+    options = _input_options(options)
     n = strategy.num_replicas_in_sync  # every worker's replicas
     first, local = strategy._replica_offset, len(strategy._slots)
     if options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
@@ -495,10 +504,10 @@ def from_function(
         world = strategy._world
         workers, rank = (1, 0) if world is None else (world.size, world.rank)
         iterables = [dataset_fn(InputContext(workers, rank, n))]
-    where = "distribute_datasets_from_function"
-    for iterable in iterables:
-        _Source(iterable, where)  # validate at the call
-    dataset = DistributedDataset(
-        strategy, iterables, options, per_replica_sources=True, where=where
+    return DistributedDataset(
+        strategy,
+        iterables,
+        options,
+        per_replica_sources=True,
+        where="distribute_datasets_from_function",
     )
-    return dataset

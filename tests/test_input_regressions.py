@@ -49,3 +49,38 @@ async def test_concurrent_consumers_of_one_iterator_all_finish(two):
 def test_from_function_checks_options(two):
     with pytest.raises(ValueError, match=r"options=\{\}; expected aiodist.InputOptions"):
         two.distribute_datasets_from_function(lambda ctx: [], options={})
+
+
+class _CountsOpens:
+    """An iterable (like a data loader) that counts how often it is opened."""
+
+    def __init__(self):
+        self.opened = 0
+
+    def __iter__(self):
+        self.opened += 1
+        return iter([np.arange(4.0), np.arange(4.0, 8.0)])
+
+
+@pytest.mark.parametrize("how", ["dataset", "from_function", "from_function_per_replica"])
+async def test_distributing_a_dataset_opens_it_only_when_iterated(two, how):
+    import aiodist
+
+    sources = []
+
+    def dataset_fn(context):
+        sources.append(_CountsOpens())
+        return sources[-1]
+
+    if how == "dataset":
+        sources.append(_CountsOpens())
+        dataset = two.experimental_distribute_dataset(sources[0])
+    else:
+        mode = aiodist.InputReplicationMode.PER_REPLICA if how.endswith("replica") else None
+        options = None if mode is None else aiodist.InputOptions(experimental_replication_mode=mode)
+        dataset = two.distribute_datasets_from_function(dataset_fn, options)
+    assert [source.opened for source in sources] == [0] * len(sources)
+    batches = [batch async for batch in dataset]
+    # PER_WORKER (from_function) gives each replica an element of its own.
+    assert len(batches) == (1 if how == "from_function" else 2)
+    assert [source.opened for source in sources] == [1] * len(sources)
