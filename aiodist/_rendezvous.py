@@ -385,11 +385,11 @@ class Rendezvous:
     def _mismatch_message(self, call: _Call, odd: int, signature: Signature) -> str:
         """Replica ``odd`` arrived with ``signature``, the first not to match: every
         replica that arrived before it matched the first arrival's."""
-        by_text: dict[str, list[int]] = {}
-        for replica in call.arrivals():
-            text = signature.text if replica == odd else call.first.text
-            by_text.setdefault(text, []).append(replica)
-        calls = "; ".join(f"{_replicas(ids)} called {text}" for text, ids in by_text.items())
+        matched = [replica for replica in call.arrivals() if replica != odd]
+        first, other = call.first.text, signature.text
+        # Different calls can read the same (two functions of one name).
+        other = f"a different {other}" if other == first else other
+        calls = f"{_replicas(matched)} called {first}; replica {odd} called {other}"
         missing = self._missing(call)
         not_yet = f" ({_replicas(missing)} not arrived yet)" if missing else ""
         return (

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import operator
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -159,7 +160,7 @@ class ReplicaContext:
         kwargs = _EMPTY if kwargs is None else _keywords(kwargs, "merge_call")
 
         def describe() -> str:
-            return f"merge_call({getattr(merge_fn, '__qualname__', type(merge_fn).__name__)})"
+            return f"merge_call({_function_text(merge_fn)})"
 
         signature = _new(Signature, ("merge_call", _merge_key(merge_fn), describe))
         payload = _new(MergePayload, (merge_fn, args, kwargs))
@@ -344,6 +345,15 @@ class ReplicaContext:
                 )
             arrays.append(slot.backend.asarray(leaf, slot.device))
         return arrays
+
+
+def _function_text(function: Callable) -> str:
+    """A function's name and where it is defined: ``step.<locals>.<lambda> (train.py:12)``."""
+    name = getattr(function, "__qualname__", type(function).__name__)
+    code = getattr(getattr(function, "__func__", function), "__code__", None)
+    if code is None or hasattr(function, "_aiodist_key"):  # aiodist's own: the name says it
+        return name
+    return f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
 
 
 def _merge_key(merge_fn: Callable) -> object:

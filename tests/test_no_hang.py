@@ -132,6 +132,21 @@ async def test_mismatch_names_what_each_replica_called(three, odd_call, shown):
     assert "called all_reduce(SUM, float64[2])" in message
 
 
+async def test_mismatch_of_two_functions_with_one_name_shows_where_each_is_defined(three):
+    first = lambda s: None  # noqa: E731
+    second = lambda s: None  # noqa: E731
+    line = first.__code__.co_firstlineno
+
+    async def fn():
+        return await aiodist.get_replica_context().merge_call(second if rid() == 2 else first)
+
+    _, raised = await run_collecting(three, fn)
+    assert isinstance(raised, aiodist.CollectiveMismatchError)
+    name = first.__qualname__
+    assert f"replicas 0, 1 called merge_call({name} (test_no_hang.py:{line}))" in str(raised)
+    assert f"replica 2 called merge_call({name} (test_no_hang.py:{line + 1}))" in str(raised)
+
+
 async def test_all_gather_shapes_may_differ_only_along_axis(two):
     async def fn():
         return await aiodist.get_replica_context().all_gather(np.ones((2, rid() + 1)), axis=0)

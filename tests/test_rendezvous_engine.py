@@ -72,6 +72,16 @@ async def test_mismatch_fails_arrived_and_later_arrivals():
     assert "replica 2 not arrived yet" in message
 
 
+async def test_mismatch_of_calls_that_read_the_same_says_they_differ():
+    rv = Rendezvous(3, Recorder())
+    futures = [rv.arrive(r, SUM, 1) for r in (0, 2)]
+    futures.append(rv.arrive(1, Signature("sum", "float", "sum(int)"), 1))
+    for future in futures:
+        with pytest.raises(CollectiveMismatchError) as info:
+            await future
+    assert "replicas 0, 2 called sum(int); replica 1 called a different sum(int)" in str(info.value)
+
+
 async def test_exit_fails_calls_the_replica_never_joined():
     rv = Rendezvous(3, Recorder())
     done = [rv.arrive(r, SUM, 1) for r in range(3)]  # call #0 completes
