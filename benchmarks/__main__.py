@@ -185,11 +185,41 @@ def _table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _replica_counts(text: str) -> list[int]:
+    """``--replicas``: comma-separated replica counts, each at least 1."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}; expected comma-separated replica counts >= 1, such as 2,4,8"
+        )
+    return counts
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}; expected a whole number >= 1")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer steps; under a minute")
-    parser.add_argument("--replicas", default="2,4,8", help="comma-separated N (default 2,4,8)")
-    parser.add_argument("--repeats", type=int, default=None, help="repeats (median; default 5/3)")
+    parser.add_argument(
+        "--replicas",
+        type=_replica_counts,
+        default=[2, 4, 8],
+        help="comma-separated N (default 2,4,8)",
+    )
+    parser.add_argument(
+        "--repeats", type=_at_least_one, default=None, help="repeats (median; default 5/3)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     parser.add_argument("--tf-python", default=None, help="a Python with TensorFlow installed")
     parser.add_argument("--no-tf", action="store_true", help="skip the TensorFlow comparison")
@@ -201,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpu:
         return _gpu_main(args)
 
-    replicas = [int(n) for n in args.replicas.split(",")]
-    repeats = args.repeats or (3 if args.quick else 5)
+    replicas = args.replicas
+    repeats = args.repeats or (3 if args.quick else 5)  # None: not given
     steps = _steps(args.quick)
     loops = _loops()
     tf_python = None if args.no_tf else _tf_python(args.tf_python)
@@ -264,8 +294,8 @@ def _gpu_main(args: argparse.Namespace) -> int:
         return 2
     from benchmarks import gpu
 
-    replicas = [int(n) for n in args.replicas.split(",")]
-    repeats = args.repeats or 3
+    replicas = args.replicas
+    repeats = args.repeats or 3  # None: not given
     loops = _loops()
     factory = loops.get("uvloop", asyncio.new_event_loop)
     started = time.perf_counter()

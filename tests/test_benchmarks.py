@@ -1,0 +1,39 @@
+"""The benchmark suite's command line refuses bad arguments by name; its
+workloads measure real runs (the figures themselves are not asserted here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import workloads
+from benchmarks.__main__ import main
+
+
+@pytest.mark.parametrize(
+    ("argv", "shown"),
+    [
+        (["--replicas", "2,x"], "argument --replicas: '2,x'; expected comma-separated"),
+        (["--replicas", "0,2"], "argument --replicas: '0,2'; expected comma-separated"),
+        (["--replicas", ""], "argument --replicas: ''; expected comma-separated"),
+        (["--repeats", "0"], "argument --repeats: '0'; expected a whole number >= 1"),
+        (["--repeats", "two"], "argument --repeats: 'two'; expected a whole number >= 1"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(argv, shown, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert shown in capsys.readouterr().err
+
+
+async def test_workloads_and_floors_measure_positive_seconds_per_step():
+    for measure in (
+        workloads.measure_a,
+        workloads.floor_a,
+        workloads.measure_b,
+        workloads.measure_c,
+        workloads.floor_bc,
+        workloads.measure_e,
+    ):
+        seconds = await measure(2, 20)
+        assert 0 < seconds < 1, measure.__name__
