@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from ._checks import whole_number
 from ._errors import AiodistError, InvalidArgumentError
 from ._input import split_batch
 from ._values import regroup
@@ -138,8 +139,7 @@ class Batcher:
             ("max_queue_rows", max_queue_rows),
             ("max_batches_in_flight", max_batches_in_flight),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(f"{name}={value!r}; expected an int >= 1.")
+            whole_number(value, name, 1)
         if not isinstance(max_wait_seconds, int | float) or max_wait_seconds < 0:
             raise InvalidArgumentError(
                 f"max_wait_seconds={max_wait_seconds!r}; expected a number of seconds >= 0."

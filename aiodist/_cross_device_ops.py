@@ -32,6 +32,7 @@ import numpy as np
 from . import _context
 from ._arrays import check_reducible, gather_axis, leaf_text, mean_of_sum
 from ._backends import backend_for, cpu_backend, is_cupy_array
+from ._checks import whole_number
 from ._devices import HOST, Device, parse_device
 from ._errors import InvalidArgumentError
 from ._host_reduce import combine as host_combine
@@ -519,11 +520,7 @@ class NcclAllReduce(CrossDeviceOps):
     _on_replica_streams = True
 
     def __init__(self, num_packs: int = 1):
-        if isinstance(num_packs, bool) or not isinstance(num_packs, int) or num_packs < 0:
-            raise InvalidArgumentError(
-                f"NcclAllReduce(num_packs={num_packs!r}); expected an int >= 0."
-            )
-        self.num_packs = num_packs
+        self.num_packs = whole_number(num_packs, "num_packs", 0)
         self._one_device = ReductionToOneDevice()
 
     def __repr__(self) -> str:

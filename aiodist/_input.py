@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _nest, _trace
+from ._checks import member, options_or_default, whole_number
 from ._errors import InvalidArgumentError
 from ._values import regroup
 
@@ -70,16 +71,11 @@ class InputOptions:
     experimental_per_replica_buffer_size: int = 1
 
     def __post_init__(self) -> None:
-        size = self.experimental_per_replica_buffer_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise InvalidArgumentError(
-                f"experimental_per_replica_buffer_size={size!r}; expected an int >= 1."
-            )
-        if not isinstance(self.experimental_replication_mode, InputReplicationMode):
-            raise InvalidArgumentError(
-                f"experimental_replication_mode={self.experimental_replication_mode!r}; "
-                "expected InputReplicationMode.PER_WORKER or PER_REPLICA."
-            )
+        name = "experimental_per_replica_buffer_size"
+        whole_number(getattr(self, name), name, 1)
+        name = "experimental_replication_mode"
+        mode = member(InputReplicationMode, getattr(self, name), name)
+        object.__setattr__(self, name, mode)  # a frozen dataclass
 
 
 class InputContext:
@@ -207,14 +203,6 @@ def _check_iterable(iterable: Any, where: str) -> None:
         f"{where}: {iterable!r} is not iterable; expected an iterable or async "
         "iterable of batches (a list, a generator, an async generator, ...)."
     )
-
-
-def _input_options(options: Any) -> InputOptions:
-    if options is None:
-        return InputOptions()
-    if not isinstance(options, InputOptions):
-        raise InvalidArgumentError(f"options={options!r}; expected aiodist.InputOptions or None.")
-    return options
 
 
 class _Source:
@@ -392,7 +380,7 @@ class DistributedDataset:
         where: str = "experimental_distribute_dataset",
     ):
         self._strategy = strategy
-        self._options = _input_options(options)
+        self._options = options_or_default(InputOptions, options)
         self._where = where
         self._source_iterable = source_iterable
         self._per_replica_sources = per_replica_sources  # from_function: see _open
@@ -495,7 +483,7 @@ def from_function(
             f"distribute_datasets_from_function: dataset_fn={dataset_fn!r} is not callable; "
             "expected a function taking an InputContext and returning an iterable."
         )
-    options = _input_options(options)
+    options = options_or_default(InputOptions, options)
     n = strategy.num_replicas_in_sync  # every worker's replicas
     first, local = strategy._replica_offset, len(strategy._slots)
     if options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:

@@ -60,6 +60,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _poll
+from ._checks import options_or_default
 from ._devices import HOST as _HOST
 from ._devices import Device
 from ._errors import (
@@ -773,11 +774,7 @@ class _MultiWorkerExtended(StrategyExtended):
 def _worker_options(given: Any) -> CommunicationOptions:
     """The strategy's default options; cross-worker calls always have a bound (a
     dead worker is reported): ``timeout_seconds`` defaults to 300 s."""
-    options = given or CommunicationOptions()
-    if not isinstance(options, CommunicationOptions):
-        raise InvalidArgumentError(
-            f"communication_options={given!r}; expected an aiodist.CommunicationOptions or None."
-        )
+    options = options_or_default(CommunicationOptions, given, "communication_options")
     if options.timeout_seconds is None:
         options = options.merge(CommunicationOptions(timeout_seconds=DEFAULT_TIMEOUT_SECONDS))
     return options

@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import math
 
+from ._checks import member, whole_number
 from ._errors import InvalidArgumentError
 
 __all__ = ["CommunicationImplementation", "CommunicationOptions"]
@@ -44,15 +45,7 @@ class CommunicationOptions:
     stall_warning_seconds: float | None = 30.0
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.bytes_per_pack, bool)
-            or not isinstance(self.bytes_per_pack, int)
-            or self.bytes_per_pack < 0
-        ):
-            raise InvalidArgumentError(
-                f"bytes_per_pack={self.bytes_per_pack!r}; expected an int >= 0 "
-                "(0 packs each dtype into one chunk)."
-            )
+        whole_number(self.bytes_per_pack, "bytes_per_pack", 0, " (0: one pack per dtype)")
         for name in ("timeout_seconds", "stall_warning_seconds"):
             value = getattr(self, name)
             if value is not None and not (
@@ -64,18 +57,8 @@ class CommunicationOptions:
                 raise InvalidArgumentError(
                     f"{name}={value!r}; expected a finite number of seconds > 0, or None."
                 )
-        implementation = self.implementation
-        if isinstance(implementation, str):
-            try:
-                implementation = CommunicationImplementation(implementation.upper())
-            except ValueError:
-                implementation = None
-        if not isinstance(implementation, CommunicationImplementation):
-            raise InvalidArgumentError(
-                f"implementation={self.implementation!r}; expected one of "
-                f"{', '.join(m.name for m in CommunicationImplementation)}."
-            )
-        object.__setattr__(self, "implementation", implementation)
+        implementation = member(CommunicationImplementation, self.implementation, "implementation")
+        object.__setattr__(self, "implementation", implementation)  # a frozen dataclass
 
     def merge(self, overrides: CommunicationOptions | None) -> CommunicationOptions:
         """These options with every non-default field of ``overrides`` applied."""

@@ -19,6 +19,7 @@ import numpy as np
 from . import _context, _nest, _variables
 from ._arrays import as_axis, check_reducible
 from ._backends import backend_for, is_cupy_array, is_cupy_type, visible_gpu_count
+from ._checks import options_or_default
 from ._cross_device_ops import CrossDeviceOps, NcclAllReduce, ReductionToOneDevice, check_alike
 from ._devices import HOST as _HOST
 from ._devices import Device, parse_device
@@ -241,13 +242,9 @@ class Strategy:
                 f"cross_device_ops={cross_device_ops!r}; expected an aiodist.CrossDeviceOps "
                 "such as aiodist.ReductionToOneDevice(), or None for the default."
             )
-        if communication_options is None:
-            communication_options = CommunicationOptions()
-        elif not isinstance(communication_options, CommunicationOptions):
-            raise InvalidArgumentError(
-                f"communication_options={communication_options!r}; expected "
-                "aiodist.CommunicationOptions or None."
-            )
+        communication_options = options_or_default(
+            CommunicationOptions, communication_options, "communication_options"
+        )
         self._devices = tuple(devices)
         self._communication_options = communication_options
         cross_device_ops = cross_device_ops or _default_cross_device_ops(self._devices)

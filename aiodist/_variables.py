@@ -36,6 +36,7 @@ import numpy as np
 from . import _context
 from ._arrays import mean_of_sum
 from ._backends import backend_for, host_array, is_cupy_array
+from ._checks import member
 from ._devices import HOST as _HOST
 from ._devices import Device
 from ._errors import ContextError, InvalidArgumentError
@@ -69,17 +70,6 @@ class VariableSynchronization(enum.Enum):
     NONE = "NONE"
     ON_WRITE = "ON_WRITE"
     ON_READ = "ON_READ"
-
-
-def _enum(kind: type[enum.Enum], value: Any, name: str) -> Any:
-    if isinstance(value, kind):
-        return value
-    if isinstance(value, str) and value.upper() in kind.__members__:
-        return kind[value.upper()]
-    raise InvalidArgumentError(
-        f"{name}={value!r}; expected one of {', '.join(kind.__members__)} "
-        f"(aiodist.{kind.__name__})."
-    )
 
 
 def _frozen(array: Any) -> Any:
@@ -191,7 +181,7 @@ class Variable:
                     "and pass them to strategy.run."
                 )
             if state.strategy is not None:
-                sync = _enum(
+                sync = member(
                     VariableSynchronization,
                     kwargs.get("synchronization", VariableSynchronization.AUTO),
                     "synchronization",
@@ -212,8 +202,8 @@ class Variable:
         name: str | None = None,
         dtype: Any = None,
     ):
-        self._aggregation = _enum(VariableAggregation, aggregation, "aggregation")
-        self._synchronization = _enum(VariableSynchronization, synchronization, "synchronization")
+        self._aggregation = member(VariableAggregation, aggregation, "aggregation")
+        self._synchronization = member(VariableSynchronization, synchronization, "synchronization")
         self._name = "Variable" if name is None else str(name)
         if callable(initial_value):
             initial_value = initial_value()

@@ -182,6 +182,15 @@ def test_non_iterables_and_bad_options(two):
         two.experimental_distribute_dataset([], options=3)
     with pytest.raises(ValueError, match=r"experimental_per_replica_buffer_size=0"):
         aiodist.InputOptions(experimental_per_replica_buffer_size=0)
+    with pytest.raises(
+        ValueError, match=r"experimental_replication_mode='each'; expected one of PER_WORKER"
+    ):
+        aiodist.InputOptions(experimental_replication_mode="each")
+
+
+def test_replication_mode_may_be_named_like_every_other_enum_option():
+    options = aiodist.InputOptions(experimental_replication_mode="per_replica")
+    assert options.experimental_replication_mode is aiodist.InputReplicationMode.PER_REPLICA
 
 
 async def test_fetch_to_device_false_keeps_host_arrays(two):
