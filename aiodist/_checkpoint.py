@@ -15,7 +15,7 @@ import asyncio
 import os
 import secrets
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -115,9 +115,12 @@ async def save_variables(
     return target
 
 
-def _load(path: Path) -> dict[str, np.ndarray]:
+def _load(path: Path, wanted: Iterable[str]) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The ``wanted`` arrays the file holds, and the names of all it holds: a file's
+    other arrays are never read (an archive is read entry by entry)."""
     with np.load(path, allow_pickle=False) as data:
-        return {name: data[name] for name in data.files}
+        held = set(data.files)
+        return {name: data[name] for name in wanted if name in held}, list(data.files)
 
 
 async def restore_variables(
@@ -128,7 +131,7 @@ async def restore_variables(
     _require_outside_replicas("restore_variables")
     named = _by_name(variables, "restore_variables")
     try:
-        stored = await asyncio.to_thread(_load, Path(path))
+        stored, held = await asyncio.to_thread(_load, Path(path), list(named))
     except FileNotFoundError:
         raise InvalidArgumentError(f"restore_variables: no checkpoint at {str(path)!r}.") from None
     problems = []
@@ -143,7 +146,7 @@ async def restore_variables(
     if problems:
         raise InvalidArgumentError(
             f"restore_variables from {str(path)!r}: {'; '.join(problems)}. Nothing was "
-            f"restored. The checkpoint holds: {', '.join(sorted(stored)) or 'nothing'}."
+            f"restored. The checkpoint holds: {', '.join(sorted(held)) or 'nothing'}."
         )
     for name, variable in named.items():
         variable._restore(stored[name])

@@ -310,6 +310,24 @@ async def test_checkpoint_round_trip_across_replica_counts(tmp_path):
     np.testing.assert_array_equal(plain.numpy(), np.arange(6).reshape(2, 3) * 1.5)
 
 
+async def test_restore_reads_only_the_arrays_asked_for(tmp_path):
+    import io
+    import zipfile
+
+    w = aiodist.Variable(np.arange(3.0), name="w")
+    path = await aiodist.save_variables(tmp_path / "c.npz", [w])
+    truncated = io.BytesIO()
+    np.save(truncated, np.zeros(1000))
+    with zipfile.ZipFile(path, "a") as archive:  # another array, unreadable (cut short)
+        archive.writestr("other.npy", truncated.getvalue()[:200])
+    target = aiodist.Variable(np.zeros(3), name="w")
+    await aiodist.restore_variables(path, [target])
+    np.testing.assert_array_equal(target.numpy(), [0.0, 1.0, 2.0])
+    missing = aiodist.Variable(np.zeros(3), name="v")
+    with pytest.raises(ValueError, match=r"The checkpoint holds: other, w\."):
+        await aiodist.restore_variables(path, [missing])
+
+
 async def test_restore_mismatch_changes_nothing(tmp_path):
     a = aiodist.Variable(np.ones(3), name="a")
     b = aiodist.Variable(np.ones(2), name="b")
