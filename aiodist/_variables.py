@@ -372,8 +372,9 @@ class Variable:
 
     def _write_every_copy(self, kind: str, value: Any) -> None:
         new = []
+        host = host_array(value)  # once: a GPU value is copied to the host once, not per copy
         for device, old in zip(self._devices, self._values, strict=True):
-            placed = backend_for(device).asarray(host_array(value), device)
+            placed = backend_for(device).asarray(host, device)
             new.append(_update_value(kind, old, placed, f"{self._name}.{kind}"))
         self._values[:] = new  # all copies change together, or none does
 
