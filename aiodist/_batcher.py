@@ -1,13 +1,14 @@
 """Request batching for distributed inference inside async servers.
 
-A ``Batcher`` turns many concurrent single requests into few global batches:
+A ``Batcher`` turns many concurrent single requests into few batches:
 
 - ``await batcher.submit(rows)`` queues one request (a 2-D array of rows) and
   returns exactly its own output rows;
 - a batching task waits for the first request, then up to ``max_wait_seconds``
   for more (never more than ``max_batch_size`` rows), concatenates them, splits
   the batch across the replicas (``strategy.run``), and hands each caller its
-  slice of the result;
+  slice of the result (under ``MultiWorkerMirroredStrategy``, each worker's
+  batcher batches its own requests over its own replicas);
 - admission is bounded: when ``max_queue_rows`` rows are already waiting,
   ``submit`` raises ``Overloaded`` at once instead of queueing without limit;
 - a caller cancelled while queued (its client went away) is dropped from the
@@ -108,14 +109,15 @@ class BatcherStats:
 
 
 class Batcher:
-    """Coalesce concurrent requests into global batches run across replicas.
+    """Coalesce concurrent requests into batches run across replicas (this
+    process's replicas, under ``MultiWorkerMirroredStrategy``).
 
     Args:
         strategy: the strategy whose replicas run the step.
         step_fn: ``async def step_fn(rows)`` run once per replica on that
             replica's share of the batch rows; returns an array with one row
             per input row.
-        max_batch_size: most rows in one global batch.
+        max_batch_size: most rows in one batch.
         max_wait_seconds: how long the first request of a batch may wait for
             company.
         max_queue_rows: most rows waiting; beyond, ``submit`` raises

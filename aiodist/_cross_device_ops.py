@@ -518,7 +518,7 @@ class NcclAllReduce(CrossDeviceOps):
     _on_replica_streams = True
 
     def __init__(self, num_packs: int = 1):
-        self.num_packs = whole_number(num_packs, "num_packs", 0)
+        self.num_packs = whole_number(num_packs, "NcclAllReduce: num_packs", 0)
         self._one_device = ReductionToOneDevice()
 
     def __repr__(self) -> str:

@@ -168,7 +168,10 @@ def combine_scalars(ufunc: Any, values: Any, mean: bool = False) -> np.ndarray:
         for value in values[2:]:
             total = step(total, value)
     if mean:  # on the scalar: about 1 us less than dividing the 0-d array in place
-        total = total / len(values) if inexact else np.true_divide(total, len(values))
+        # The count in the sum's own dtype: the quotient keeps that dtype (as the
+        # in-place division of an array does) under any promotion rules.
+        count = len(values)
+        total = total / total.dtype.type(count) if inexact else np.true_divide(total, count)
     if total is first:  # one value, maybe the caller's own 0-d array: a copy
         return np.array(total, copy=True)
     return np.asarray(total)

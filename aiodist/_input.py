@@ -194,10 +194,15 @@ def _empty_like(structure: object) -> object:
 
 def _check_iterable(iterable: Any, where: str) -> None:
     """Refuse what cannot be iterated, without opening it: iterating a data loader
-    can start its workers."""
-    if hasattr(iterable, "__aiter__"):
-        return
-    if hasattr(iterable, "__iter__") and not isinstance(iterable, str | bytes):
+    can start its workers. The methods are looked up on the type, as ``iter()``
+    does (a class has ``__iter__`` as an attribute, yet is not iterable)."""
+    kind = type(iterable)
+    iterable_kind = (
+        getattr(kind, "__aiter__", None) is not None or getattr(kind, "__iter__", None) is not None
+    )
+    # A 0-d array has __iter__ and raises when called; strings iterate characters.
+    zero_d = getattr(iterable, "ndim", None) == 0
+    if iterable_kind and not isinstance(iterable, str | bytes) and not zero_d:
         return
     raise InvalidArgumentError(
         f"{where}: {iterable!r} is not iterable; expected an iterable or async "

@@ -178,6 +178,16 @@ async def test_bad_elements(two, element, message):
 def test_non_iterables_and_bad_options(two):
     with pytest.raises(aiodist.InvalidArgumentError, match=r"42 is not iterable"):
         two.experimental_distribute_dataset(42)
+
+    class NotIterable:
+        __iter__ = None  # how a class says "not iterable"
+
+    # Each has an __iter__ attribute, and iter() refuses each.
+    for bad in (np.array(3.0), list, NotIterable(), "abc"):
+        with pytest.raises(aiodist.InvalidArgumentError, match=r"is not iterable"):
+            two.experimental_distribute_dataset(bad)
+        with pytest.raises(aiodist.InvalidArgumentError, match=r"is not iterable"):
+            two.distribute_datasets_from_function(lambda context, bad=bad: bad)
     with pytest.raises(ValueError, match=r"options=3"):
         two.experimental_distribute_dataset([], options=3)
     with pytest.raises(ValueError, match=r"experimental_per_replica_buffer_size=0"):
