@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 
 import pytest
 
@@ -26,6 +28,27 @@ def pytest_asyncio_loop_factories(config, item):
 
 def cpu_devices(n: int) -> list[str]:
     return [f"cpu:{i}" for i in range(n)]
+
+
+@contextlib.asynccontextmanager
+async def loop_lag(period: float = 0.005):
+    """While the block runs, a task sleeps ``period`` seconds again and again; yields
+    the list of how late (seconds) each sleep woke, filled as the block runs."""
+    lateness: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker():
+        while not stop.is_set():
+            before = time.perf_counter()
+            await asyncio.sleep(period)
+            lateness.append(time.perf_counter() - before - period)
+
+    tick = asyncio.create_task(ticker())
+    try:
+        yield lateness
+    finally:
+        stop.set()
+        await tick
 
 
 @pytest.fixture(params=[1, 2, 4], ids=lambda n: f"{n}rep")

@@ -21,6 +21,7 @@ import pytest
 
 import aiodist
 from aiodist._backends import visible_gpu_count
+from tests.conftest import loop_lag
 
 pytestmark = [
     pytest.mark.gpu,
@@ -243,28 +244,18 @@ async def test_a_slow_kernel_before_an_all_reduce_still_gives_the_right_result()
 async def test_the_loop_stays_responsive_while_the_gpu_is_busy():
     """A ~0.5 s kernel, then a device-to-host reduce: the loop's lag stays small."""
     strategy = _shared(2)
-    lags: list[float] = []
-    stop = asyncio.Event()
-
-    async def ticker():
-        while not stop.is_set():
-            start = time.perf_counter()
-            await asyncio.sleep(0.005)
-            lags.append(time.perf_counter() - start - 0.005)
 
     async def fn():
         x = cupy.zeros(1, dtype=cupy.float32)
         _slow_set(x, 1.0, _cycles(0.5))
         return x
 
-    watcher = asyncio.create_task(ticker())
-    started = time.perf_counter()
-    values = await strategy.run(fn)
-    with strategy.scope():
-        total = await strategy.reduce("sum", values, axis=None)
-    elapsed = time.perf_counter() - started
-    stop.set()
-    await watcher
+    async with loop_lag() as lags:
+        started = time.perf_counter()
+        values = await strategy.run(fn)
+        with strategy.scope():
+            total = await strategy.reduce("sum", values, axis=None)
+        elapsed = time.perf_counter() - started
     assert float(total[0]) == 2.0
     assert elapsed >= 0.4  # the kernel really ran before the reduce returned
     assert max(lags) < 0.05, f"event loop blocked for {max(lags) * 1e3:.1f} ms"

@@ -18,7 +18,7 @@ import pytest
 import aiodist
 from aiodist.serving import Batcher, NotServing, Overloaded
 from examples.client import http
-from tests.conftest import cpu_devices, wait_until
+from tests.conftest import cpu_devices, loop_lag, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parent.parent
@@ -350,19 +350,8 @@ async def test_event_loop_stays_responsive_under_load():
 
 async def _measure_lag_under_load():
     async with running_server() as (_, port, _):
-        lateness: list[float] = []
-        stop = asyncio.Event()
-
-        async def ticker():
-            while not stop.is_set():
-                before = time.perf_counter()
-                await asyncio.sleep(0.005)
-                lateness.append(time.perf_counter() - before - 0.005)
-
-        tick = asyncio.create_task(ticker())
-        statuses = await _load(port, 500, 64)
-        stop.set()
-        await tick
+        async with loop_lag() as lateness:
+            statuses = await _load(port, 500, 64)
         assert statuses == [200] * 500
         lateness.sort()
         p99 = lateness[int(0.99 * (len(lateness) - 1))]
