@@ -176,26 +176,25 @@ def regroup(
                 item._values, item._devices = column, devices
                 append(item)
         return merged if kind is list else tuple(merged)
+    # Some value is nested (leaves alone returned above): all must nest alike.
     nested = [_nest.is_nested(value) for value in values]
-    if any(nested):
-        odd = [i for i, value in enumerate(values) if not _same_container(first, value)]
-        if not all(nested) or odd:
-            shapes = "; ".join(f"replica {i}: {_describe(v)}" for i, v in enumerate(values))
-            where = f" at {path}" if path else ""
-            raise InvalidArgumentError(
-                f"replicas {what} different structures{where} ({shapes}); every replica "
-                "must produce the same nesting of lists, tuples and dicts."
-            )
-        per_child = [_nest.children(value) for value in values]
-        keys = _nest.children({k: k for k in first}) if isinstance(first, dict) else None
-        merged = [
-            regroup(
-                [kids[i] for kids in per_child],
-                devices,
-                what=what,
-                path=f"{path}[{keys[i]!r}]" if keys is not None else f"{path}[{i}]",
-            )
-            for i in range(len(per_child[0]))
-        ]
-        return _nest.rebuild(first, merged)
-    return PerReplica._make(tuple(values), None if devices is None else tuple(devices))
+    odd = [i for i, value in enumerate(values) if not _same_container(first, value)]
+    if not all(nested) or odd:
+        shapes = "; ".join(f"replica {i}: {_describe(v)}" for i, v in enumerate(values))
+        where = f" at {path}" if path else ""
+        raise InvalidArgumentError(
+            f"replicas {what} different structures{where} ({shapes}); every replica "
+            "must produce the same nesting of lists, tuples and dicts."
+        )
+    per_child = [_nest.children(value) for value in values]
+    keys = _nest.children({k: k for k in first}) if isinstance(first, dict) else None
+    merged = [
+        regroup(
+            [kids[i] for kids in per_child],
+            devices,
+            what=what,
+            path=f"{path}[{keys[i]!r}]" if keys is not None else f"{path}[{i}]",
+        )
+        for i in range(len(per_child[0]))
+    ]
+    return _nest.rebuild(first, merged)
