@@ -438,6 +438,8 @@ class RunGroup:
         return context
 
     def _execute(self, number: int, signature: Signature, payloads: list) -> Any:
+        if signature.name != "merge_call":  # here, so every group's collectives count
+            self._count_bytes(signature.name, payloads)
         tracer = _trace.active
         if tracer is None:  # not tracing: straight to the work
             return self._execute_now(number, signature, payloads)
@@ -493,20 +495,27 @@ class RunGroup:
             backend.leave_cross_replica(saved)
             backend.end_cross_replica(order, self.slots)
 
+    def _count_bytes(self, name: str, payloads: list) -> None:
+        """Statistics: the input bytes of an all-reduce or all-gather."""
+        first = payloads[0]
+        if name == "all_reduce":  # one shape per leaf on every replica
+            arrays = first.arrays
+            nbytes = arrays[0].nbytes if first.template is None else sum(map(_NBYTES, arrays))
+            self.bytes_reduced += nbytes * self.num_replicas
+        else:  # shapes may differ along the gathered axis
+            self.bytes_reduced += sum(sum(map(_NBYTES, p.arrays)) for p in payloads)
+
     def _collective(self, number: int, signature: Signature, payloads: list) -> Any:
         ops = self.strategy.extended._cross_device_ops
         first = payloads[0]
         devices, options, streams = self.devices, first.options, self.streams
         if signature.name == "all_reduce" and first.template is None:  # one array each
-            self.bytes_reduced += first.arrays[0].nbytes * self.num_replicas
             arrays = [payload.arrays[0] for payload in payloads]
             return ops._all_reduce_one(first.op, arrays, devices, options, streams)
         arrays = [payload.arrays for payload in payloads]
-        if signature.name == "all_reduce":  # one shape per leaf on every replica
-            self.bytes_reduced += sum(map(_NBYTES, first.arrays)) * self.num_replicas
+        if signature.name == "all_reduce":
             out = ops._all_reduce_flat(first.op, arrays, devices, options, streams)
-        else:  # shapes may differ along the gathered axis
-            self.bytes_reduced += sum(sum(map(_NBYTES, leaves)) for leaves in arrays)
+        else:
             out = ops._all_gather_flat(arrays, first.axis, devices, options, streams)
         return self._per_replica(payloads, out, signature.key[1])
 

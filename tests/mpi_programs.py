@@ -274,6 +274,16 @@ async def _batcher(strategy: aiodist.Strategy) -> dict:
     }
 
 
+async def _statistics(strategy: aiodist.Strategy) -> dict:
+    async def step():
+        ctx = aiodist.get_replica_context()
+        await ctx.all_reduce("sum", np.ones(3))  # 24 bytes per replica
+        await ctx.all_gather(np.ones(2), axis=0)  # 16 bytes per replica
+
+    await strategy.run(step)
+    return {"bytes_reduced": strategy.statistics().bytes_reduced}
+
+
 def _run(coro):
     """On the loop named by AIODIST_TEST_LOOP: uvloop (aiodist.run's) or asyncio."""
     if os.environ.get("AIODIST_TEST_LOOP") == "asyncio":
@@ -295,6 +305,7 @@ def main() -> None:
         "concurrent": _concurrent,
         "busy": _read_while_busy,
         "batcher": _batcher,
+        "statistics": _statistics,
     }[mode]
     _report(strategy, _run(work(strategy)))
 

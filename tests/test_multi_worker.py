@@ -161,6 +161,14 @@ def test_a_batcher_on_each_worker_splits_its_batches_over_its_own_replicas():
     assert results[1] == {"right": True, "replicas": [2], "rows": 12}
 
 
+def test_statistics_count_each_workers_collective_bytes():
+    rc, results, output, _ = _program(2, "statistics", [2, 1])
+    assert rc == 0, output[-3000:]
+    # Each worker counts its own replicas' inputs: 24 + 16 bytes each.
+    assert results[0] == {"bytes_reduced": 2 * 40}
+    assert results[1] == {"bytes_reduced": 1 * 40}
+
+
 def test_concurrent_runs_are_serialised_and_all_correct():
     rc, results, output, _ = _program(2, "concurrent", [2, 2])
     assert rc == 0, output[-3000:]
