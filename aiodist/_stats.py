@@ -70,6 +70,10 @@ class Counters:
 
     def add_run(self, group: Any) -> None:
         self.runs += 1
+        self.add_totals(group)
+
+    def add_totals(self, group: Any) -> None:
+        """Add what ``group`` (a run, finished or not) has done so far."""
         rendezvous = group._rendezvous
         if rendezvous is not None:
             for name, count in rendezvous.completed.items():
@@ -80,18 +84,16 @@ class Counters:
 
 def snapshot(counters: Counters, live_groups: Iterable[Any], now: float) -> Statistics:
     """Totals of finished runs plus what the runs still in flight have done so far."""
-    collectives = dict(counters.collectives)
-    bytes_reduced, waiting = counters.bytes_reduced, counters.seconds_waiting
+    totals = Counters()  # the finished runs' totals, then each live run's added
+    totals.collectives.update(counters.collectives)
+    totals.bytes_reduced, totals.seconds_waiting = counters.bytes_reduced, counters.seconds_waiting
     in_flight = []
     groups = list(live_groups)
     for group in groups:
-        bytes_reduced += group.bytes_reduced
+        totals.add_totals(group)
         rendezvous = group._rendezvous
         if rendezvous is None:
             continue
-        for name, count in rendezvous.completed.items():
-            collectives[name] = collectives.get(name, 0) + count
-        waiting += rendezvous.wait_seconds
         for name, number, arrived, missing, started in rendezvous.pending():
             waited = max(0.0, now - started)
             in_flight.append(
@@ -101,7 +103,7 @@ def snapshot(counters: Counters, live_groups: Iterable[Any], now: float) -> Stat
         runs_in_flight=len(groups),
         rendezvous_in_flight=tuple(in_flight),
         runs=counters.runs,
-        collectives=MappingProxyType(collectives),
-        bytes_reduced=bytes_reduced,
-        seconds_waiting=waiting,
+        collectives=MappingProxyType(totals.collectives),
+        bytes_reduced=totals.bytes_reduced,
+        seconds_waiting=totals.seconds_waiting,
     )

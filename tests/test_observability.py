@@ -157,6 +157,31 @@ async def test_statistics_of_a_run_blocked_mid_rendezvous():
         done.collectives["all_reduce"] = 0
 
 
+async def test_statistics_include_what_runs_in_flight_have_done(two):
+    release = asyncio.Event()
+    gathered = []
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        await ctx.all_gather(np.ones(2), axis=0)
+        gathered.append(rid())
+        if rid() == 1:
+            await release.wait()
+        return await ctx.all_reduce("sum", np.ones(3))
+
+    run = asyncio.create_task(two.run(fn))
+    await wait_until(lambda: len(gathered) == 2, "both replicas past the all-gather")
+    blocked = two.statistics()
+    assert (blocked.runs_in_flight, blocked.runs) == (1, 0)
+    assert dict(blocked.collectives) == {"all_gather": 1}
+    assert blocked.bytes_reduced == 2 * 16
+    release.set()
+    await run
+    done = two.statistics()
+    assert dict(done.collectives) == {"all_gather": 1, "all_reduce": 1}
+    assert done.bytes_reduced == 2 * 16 + 2 * 24
+
+
 async def test_statistics_count_every_kind(two):
     async def fn():
         ctx = aiodist.get_replica_context()
