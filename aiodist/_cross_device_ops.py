@@ -67,7 +67,7 @@ def resolve_destinations(destinations: Any) -> tuple[Device, ...]:
     elif hasattr(destinations, "_aiodist_devices"):  # distributed variables
         devices = tuple(destinations._aiodist_devices)
     elif isinstance(destinations, np.ndarray | np.generic):
-        devices = (Device("CPU", 0),)
+        devices = (HOST,)
     elif is_cupy_array(destinations):
         devices = (Device("GPU", int(destinations.device.id)),)
     elif isinstance(destinations, list | tuple) and destinations:

@@ -10,7 +10,6 @@ futures have deadlocked other libraries, numba-cuda#317).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
 __all__ = ["next_pause", "until"]
@@ -24,13 +23,10 @@ def next_pause(pause: float) -> float:
     return min(max(pause * 2, FIRST_PAUSE), LONGEST_PAUSE)
 
 
-async def until(done: Callable[[], bool], deadline: float | None = None) -> bool:
-    """Return True once ``done()`` is true, or False when ``time.monotonic()``
-    passes ``deadline`` first. Exceptions from ``done()`` propagate."""
+async def until(done: Callable[[], bool]) -> None:
+    """Return once ``done()`` is true (bound it with ``asyncio.timeout()``).
+    Exceptions from ``done()`` propagate."""
     pause = 0.0
     while not done():
-        if deadline is not None and time.monotonic() >= deadline:
-            return False
         await asyncio.sleep(pause)
         pause = next_pause(pause)
-    return True
