@@ -432,8 +432,10 @@ class RunGroup:
     # -- cross-replica execution (called once per completed collective) -------------
 
     def _cross_replica_context(self) -> contextvars.Context:
-        assert self._base is not None
-        context = self._base.copy()
+        """A copy of the run's caller's context (the default group, which has no
+        run, copies the current one) in cross-replica state."""
+        base = self._base
+        context = base.copy() if base is not None else contextvars.copy_context()
         context.run(_context.set_state, _context.replica_state(self.strategy, None))
         return context
 
@@ -634,11 +636,6 @@ class DefaultGroup(RunGroup):
     def __init__(self, strategy: Strategy, slots: tuple[ReplicaSlot, ...]):
         super().__init__(strategy, slots)
         self.context = ReplicaContext(strategy, 0, slots[0].device, default_group=self)
-
-    def _cross_replica_context(self) -> contextvars.Context:
-        context = contextvars.copy_context()
-        context.run(_context.set_state, _context.replica_state(self.strategy, None))
-        return context
 
     async def run(self, fn: Callable, args: Sequence, kwargs: dict) -> object:
         raise ContextError("the default replica group cannot run functions; use strategy.run.")
