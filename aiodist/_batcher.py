@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from ._backends import host_array
 from ._checks import whole_number
 from ._errors import AiodistError, InvalidArgumentError
 from ._input import split_batch
@@ -367,7 +368,7 @@ class Batcher:
         inputs = regroup(split_batch(rows, len(strategy._slots)), strategy._devices)
         result = await self.strategy.run(self.step_fn, args=(inputs,))
         parts = self.strategy.experimental_local_results(result)
-        outputs = np.concatenate([np.asarray(part) for part in parts])
+        outputs = np.concatenate([host_array(part) for part in parts])  # CuPy too
         if len(outputs) != len(rows):
             raise InvalidArgumentError(
                 f"the step returned {len(outputs)} rows for a batch of {len(rows)}; it must "
