@@ -60,7 +60,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _poll
-from ._checks import options_or_default
+from ._checks import options_or_default, whole_number
 from ._devices import HOST as _HOST
 from ._devices import Device
 from ._errors import (
@@ -586,11 +586,8 @@ def local_devices(devices_per_worker: Any) -> tuple[Device, ...]:
     if devices_per_worker is None:
         devices = _default_devices()
     elif isinstance(devices_per_worker, int) and not isinstance(devices_per_worker, bool):
-        if devices_per_worker < 1:
-            raise InvalidArgumentError(
-                f"devices_per_worker={devices_per_worker}; expected at least 1 replica."
-            )
-        devices = tuple(Device("CPU", i) for i in range(devices_per_worker))
+        count = whole_number(devices_per_worker, "devices_per_worker", 1)
+        devices = tuple(Device("CPU", i) for i in range(count))
     else:
         devices = _parse_devices(devices_per_worker)
     return devices
@@ -605,6 +602,7 @@ from ._cross_device_ops import (  # noqa: E402
     NcclAllReduce,
     ReductionToOneDevice,
     _pack_indices,
+    _split,
     resolve_destinations,
 )
 from ._options import CommunicationOptions  # noqa: E402
@@ -629,11 +627,8 @@ async def _reduce_leaves(
         total = await world.all_reduce(op, buffer, what, timeout)
         if op is ReduceOp.MEAN:
             total = mean_of_sum(np, total, world.total)
-        offset = 0
-        for i in members:
-            size = leaves[i].size
-            out[i] = total[offset : offset + size].reshape(leaves[i].shape)
-            offset += size
+        for i, piece in zip(members, _split(total, [leaves[i] for i in members]), strict=True):
+            out[i] = piece
     return out
 
 

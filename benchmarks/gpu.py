@@ -23,6 +23,7 @@ import time
 
 import aiodist
 from aiodist._backends import visible_gpu_count
+from benchmarks import workloads
 
 MIB = 1 << 20
 
@@ -46,12 +47,7 @@ def stream_switch_ns(pairs: int = 200_000) -> float:
 
 
 async def _per_step(strategy: aiodist.MirroredStrategy, fn, steps: int) -> float:
-    for _ in range(max(1, steps // 10)):
-        await strategy.run(fn)
-    start = time.perf_counter()
-    for _ in range(steps):
-        await strategy.run(fn)
-    return (time.perf_counter() - start) / steps
+    return await workloads._timed(lambda: strategy.run(fn), steps)
 
 
 async def dispatch(n: int, steps: int) -> dict:
@@ -62,7 +58,7 @@ async def dispatch(n: int, steps: int) -> dict:
         return 1
 
     gpu = aiodist.MirroredStrategy(["GPU:0"] * n)
-    cpu = aiodist.MirroredStrategy([f"cpu:{i}" for i in range(n)])
+    cpu = workloads.strategy_for(n)
     return {
         "gpu": await _per_step(gpu, constant, steps),
         "cpu": await _per_step(cpu, constant, steps),

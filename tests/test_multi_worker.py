@@ -169,6 +169,12 @@ def test_statistics_count_each_workers_collective_bytes():
     assert results[1] == {"bytes_reduced": 1 * 40}
 
 
+@pytest.mark.parametrize("bad", [0, -1])
+def test_a_replica_count_below_one_is_refused(bad):
+    with pytest.raises(aiodist.InvalidArgumentError, match=rf"devices_per_worker={bad}; expected"):
+        aiodist.MultiWorkerMirroredStrategy(bad)
+
+
 def test_concurrent_runs_are_serialised_and_all_correct():
     rc, results, output, _ = _program(2, "concurrent", [2, 2])
     assert rc == 0, output[-3000:]
