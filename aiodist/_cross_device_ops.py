@@ -358,8 +358,8 @@ class CrossDeviceOps:
                 f"broadcast: tensor is a {type(tensor).__name__}; expected a single array "
                 "(reduce it first, or pick a component with experimental_local_results)."
             )
-        source = backend_for(devices[0]).asarray(tensor, devices[0])
-        return self._deliver(source, devices, copy=True)
+        # _deliver places it, and copies only what it got back as the caller's own.
+        return self._deliver(tensor, devices, copy=True)
 
     async def gather(
         self,

@@ -190,6 +190,18 @@ async def test_cross_device_ops_directly():
         await ops.broadcast(value, "cpu:0")
 
 
+async def test_cross_device_ops_broadcast_never_shares_the_callers_array():
+    ops = aiodist.ReductionToOneDevice()
+    for destinations in ("cpu:0", ["cpu:0", "cpu:1"]):
+        source = np.array([7])
+        result = await ops.broadcast(source, destinations)
+        source[0] = 8
+        values = result.values if isinstance(result, aiodist.Mirrored) else (result,)
+        assert [int(v[0]) for v in values] == [7] * len(values)
+    from_list = await ops.broadcast([1.5, 2.5], ["cpu:0", "cpu:1"])
+    assert [v.tolist() for v in from_list.values] == [[1.5, 2.5], [1.5, 2.5]]
+
+
 def test_distribute_values_from_function(strategy, num_replicas):
     seen = []
 
