@@ -36,7 +36,8 @@ from ._checks import whole_number
 from ._devices import HOST, Device, parse_device
 from ._errors import InvalidArgumentError
 from ._host_reduce import combine as host_combine
-from ._host_reduce import combine_scalars, pack_buffers
+from ._host_reduce import combine_scalars
+from ._host_reduce import pack as host_pack
 from ._ops import ReduceOp
 from ._options import CommunicationOptions
 from ._values import DistributedValues, Mirrored
@@ -112,20 +113,32 @@ def _aliases(result: Any, inputs: Sequence[Any]) -> bool:
     return any(owner is (array if array.base is None else array.base) for array in inputs)
 
 
-def _split(flat: Any, leaves: Sequence[Any]) -> list:
-    """``flat`` cut into views shaped like ``leaves`` (whose sizes add up to it)."""
+def _splitter(leaves: Sequence[Any]) -> Callable[[Any], list]:
+    """A function cutting a flat array into views shaped like ``leaves`` (whose sizes
+    add up to it), worked out once for the flat results of every replica."""
     shapes = set(map(_SHAPE, leaves))
     if len(shapes) == 1 and (shape := shapes.pop()):
         # Leaves of one shape (not 0-d, which iteration would turn into scalars): the
         # rows of one reshape, made in C instead of a slice per leaf in Python.
-        return list(flat.reshape(len(leaves), *shape))
-    pieces, offset = [], 0
+        rows = (len(leaves), *shape)
+        return lambda flat: list(flat.reshape(rows))
+    cuts, offset = [], 0
     for leaf in leaves:
-        size = leaf.size
-        piece = flat[offset : offset + size]
-        pieces.append(piece if leaf.ndim == 1 else piece.reshape(leaf.shape))
-        offset += size
-    return pieces
+        cuts.append((offset, offset + leaf.size, None if leaf.ndim == 1 else leaf.shape))
+        offset += leaf.size
+
+    def split(flat: Any) -> list:
+        return [
+            flat[start:stop] if shape is None else flat[start:stop].reshape(shape)
+            for start, stop, shape in cuts
+        ]
+
+    return split
+
+
+def _split(flat: Any, leaves: Sequence[Any]) -> list:
+    """``flat`` cut into views shaped like ``leaves`` (whose sizes add up to it)."""
+    return _splitter(leaves)(flat)
 
 
 def _pack_indices(arrays: Sequence[Any], bytes_per_pack: int) -> list[list[int]]:
@@ -240,13 +253,13 @@ class CrossDeviceOps:
         for pack in _pack_indices(first, options.bytes_per_pack):
             whole = len(pack) == len(first)  # the usual case: one dtype, one pack
             if backend is cpu_backend:
-                # Into this thread's reused scratch arrays (see pack_buffers).
+                # Into this thread's reused scratch memory (see _host_reduce.pack).
                 size = sum(map(_SIZE, first)) if whole else sum(first[i].size for i in pack)
-                buffers = pack_buffers(len(per_replica), size, first[pack[0]].dtype)
-                for buffer, leaves in zip(buffers, per_replica, strict=True):
-                    np.concatenate(
-                        leaves if whole else [leaves[i] for i in pack], axis=None, out=buffer
-                    )
+                buffers = host_pack(
+                    per_replica if whole else [[leaves[i] for i in pack] for leaves in per_replica],
+                    size,
+                    first[pack[0]].dtype,
+                )
                 reduced = self._reduce_arrays(op, buffers, target)
                 if _aliases(reduced, buffers):  # scratch memory must not escape
                     reduced = reduced.copy()
@@ -257,31 +270,14 @@ class CrossDeviceOps:
                         for leaves in per_replica
                     ]
                 reduced = self._reduce_arrays(op, buffers, target)
-            flats = self._broadcast_array(reduced, devices)
-            leaves = first if whole else [first[i] for i in pack]
-            # Split replica 0's buffer once; when the others' buffers share its memory
-            # they get views of those pieces (a view is cheaper than a slice and a
-            # reshape), otherwise their own pieces.
-            pieces = _split(flats[0], leaves)
-            # Host views of one buffer share a base; on GPUs the others' results are
-            # copies, whose base (like the reduced array's own) is None.
-            base = flats[0].base
-            same_memory = base is not None and all(flat.base is base for flat in flats)
-            for replica, flat in enumerate(flats):
-                if replica == 0:
-                    mine = pieces
-                elif same_memory:
-                    mine = (
-                        list(map(_VIEW, pieces))
-                        if type(flat) is np.ndarray
-                        else [piece.view() for piece in pieces]
-                    )
-                else:
-                    mine = _split(flat, leaves)
+            # Each replica's flat result (read-only views of one buffer on the host)
+            # cut into its own views, shaped like the leaves.
+            split = _splitter(first if whole else [first[i] for i in pack])
+            for replica, flat in enumerate(self._broadcast_array(reduced, devices)):
                 if whole:
-                    out[replica] = mine
+                    out[replica] = split(flat)
                 else:
-                    for index, piece in zip(pack, mine, strict=True):
+                    for index, piece in zip(pack, split(flat), strict=True):
                         out[replica][index] = piece
         return out
 

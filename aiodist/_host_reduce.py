@@ -18,9 +18,9 @@ system and faults them in again (measured here: a 100 x 1 KiB batched
 all-reduce took 300 or 460 us per step depending on where the heap happened to
 end, before its buffers were reused).
 
-``pack_buffers`` gives the scratch arrays that lists of leaves are packed into
-before they are reduced; they never leave the reduction, so they are reused
-from call to call unconditionally.
+``pack`` packs lists of leaves into scratch memory before they are reduced; the
+packed arrays never leave the reduction, so that memory is reused from call to
+call unconditionally.
 
 Pools are per thread: a strategy may run on event loops in several threads.
 """
@@ -28,10 +28,12 @@ Pools are per thread: a strategy may run on event loops in several threads.
 from __future__ import annotations
 
 import contextvars
+import io
 import operator
 import os
 import sys
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
@@ -43,7 +45,7 @@ __all__ = [
     "POOL_MIN_BYTES",
     "combine",
     "combine_scalars",
-    "pack_buffers",
+    "pack",
 ]
 
 POOL_MIN_BYTES = 1 << 16  # from here, results go to pooled buffers, reduced in blocks
@@ -110,24 +112,47 @@ def _results() -> _Buffers:
         return _local.buffers
 
 
-def pack_buffers(count: int, size: int, dtype: np.dtype) -> list[np.ndarray]:
-    """``count`` one-dimensional arrays of ``size`` elements of ``dtype``, to pack the
-    leaves of ``count`` replicas into. The same arrays come back at the next call
-    with the same size and dtype (in this thread): the caller must be done with them
-    by then, and must not let them, or views of them, escape."""
-    nbytes = count * size * np.dtype(dtype).itemsize
-    if nbytes > SCRATCH_MAX_BYTES:
-        return [np.empty(size, dtype) for _ in range(count)]
-    scratch = getattr(_local, "scratch", None)
-    if scratch is None:
-        scratch = _local.scratch = {}
-    key = (size, np.dtype(dtype).str)
-    buffers = scratch.get(key)
-    if buffers is None or len(buffers) < count:
-        if sum(b[0].nbytes * len(b) for b in scratch.values()) + nbytes > SCRATCH_MAX_BYTES:
-            scratch.clear()  # keep the latest sizes only
-        buffers = scratch[key] = [np.empty(size, dtype) for _ in range(count)]
-    return buffers[:count]
+def pack(leaf_lists: Sequence[Sequence[Any]], size: int, dtype: np.dtype) -> list[np.ndarray]:
+    """Each list of leaves (one per replica, all of ``dtype``) copied in order into one
+    flat array of ``size`` elements: this thread's scratch memory, reused by the next
+    call (in this thread), so the caller must be done with the arrays by then and must
+    not let them, or views of them, escape.
+
+    The copies go through ``io.BytesIO.writelines``: a C loop doing one memcpy per
+    leaf, about 45 ns per leaf where ``np.concatenate`` spends 120 on converting each
+    input (a list of 100 tensors of 1 KiB packs in 4.4 us instead of 12). A leaf
+    without a C-contiguous buffer (a strided view) cannot be written: that list is
+    packed by ``np.concatenate`` instead.
+    """
+    nbytes = size * dtype.itemsize
+    count = len(leaf_lists)
+    if count * nbytes > SCRATCH_MAX_BYTES:  # never kept: fresh arrays
+        return [
+            np.concatenate(leaves, axis=None).astype(dtype, copy=False) for leaves in leaf_lists
+        ]
+    writers = getattr(_local, "writers", None)
+    if writers is None:
+        writers = _local.writers = []
+    if len(writers) < count:
+        writers.extend(io.BytesIO() for _ in range(count - len(writers)))
+    packed = []
+    for index, leaves in enumerate(leaf_lists):
+        writer = writers[index]
+        # Its size is the largest pack it has held (seek returns the end offset):
+        # bounded, so all the writers together keep about SCRATCH_MAX_BYTES at most.
+        if writer.seek(0, io.SEEK_END) > SCRATCH_MAX_BYTES // count:
+            writer = writers[index] = io.BytesIO()
+        try:
+            writer.seek(0)
+            writer.writelines(leaves)
+        except BufferError:  # its last array is still alive somewhere (a traceback)
+            writer = writers[index] = io.BytesIO()
+            writer.writelines(leaves)
+        except ValueError:  # a leaf without a C-contiguous buffer (NumPy refuses it)
+            packed.append(np.concatenate(leaves, axis=None).astype(dtype, copy=False))
+            continue
+        packed.append(np.frombuffer(writer.getbuffer(), dtype, count=size))
+    return packed
 
 
 def _reduce_slice(ufunc: Any, flats: list, out: np.ndarray, start: int, stop: int) -> None:

@@ -12,7 +12,7 @@ from aiodist._host_reduce import (
     POOL_MIN_BYTES,
     SCRATCH_MAX_BYTES,
     combine,
-    pack_buffers,
+    pack,
 )
 from tests.conftest import cpu_devices
 
@@ -100,15 +100,41 @@ async def test_held_batched_results_never_change(ops, shapes):
                 np.testing.assert_array_equal(value, k * per_replica)
 
 
-def test_pack_buffers_are_reused_per_size_and_dtype_and_bounded():
-    first = pack_buffers(3, 1000, np.float32)
-    assert [b.shape for b in first] == [(1000,)] * 3 and first[0].dtype == np.float32
-    again = pack_buffers(2, 1000, np.float32)
-    assert all(a is b for a, b in zip(again, first[:2], strict=False))
-    assert pack_buffers(2, 1000, np.float64)[0] is not first[0]
-    assert pack_buffers(2, 999, np.float32)[0] is not first[0]
+def _address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
+
+
+def test_pack_copies_each_list_of_leaves_in_order_into_one_flat_array():
+    leaves = [
+        np.arange(6, dtype=np.float32).reshape(2, 3),
+        np.float32(7.5),
+        np.array(-1, np.float32),
+    ]
+    strided = np.arange(10, dtype=np.float32)[::2]  # no contiguous buffer: np.concatenate
+    packed = pack(
+        [leaves, [strided, np.float32(0), np.array([1, 2], np.float32)]], 8, np.dtype(np.float32)
+    )
+    assert [p.dtype for p in packed] == [np.float32] * 2 and [p.shape for p in packed] == [(8,)] * 2
+    np.testing.assert_array_equal(packed[0], [0, 1, 2, 3, 4, 5, 7.5, -1])
+    np.testing.assert_array_equal(packed[1], [0, 2, 4, 6, 8, 0, 1, 2])
+    big_endian = [np.arange(3, dtype=">i4"), np.array([9], dtype=">i4")]
+    np.testing.assert_array_equal(pack([big_endian], 4, np.dtype(">i4"))[0], [0, 1, 2, 9])
+
+
+def test_pack_reuses_its_memory_but_never_overwrites_an_array_still_alive():
+    ones = [np.ones(100, np.float64)] * 3
+    first = pack([ones, ones], 300, np.dtype(np.float64))
+    where = _address(first[0])
+    del first
+    second = pack([[np.full(300, 2.0)], ones], 300, np.dtype(np.float64))
+    assert _address(second[0]) == where  # the same scratch memory, reused
+    third = pack([[np.full(300, 3.0)], ones], 300, np.dtype(np.float64))  # second is alive
+    assert (second[0] == 2.0).all() and (third[0] == 3.0).all()
     huge = SCRATCH_MAX_BYTES // 2 + 1  # two of these are over the limit: never kept
-    assert pack_buffers(2, huge, np.uint8)[0] is not pack_buffers(2, huge, np.uint8)[0]
+    zeros = [[np.zeros(huge, np.uint8)], [np.zeros(huge, np.uint8)]]
+    assert not np.shares_memory(
+        pack(zeros, huge, np.dtype(np.uint8))[0], pack(zeros, huge, np.dtype(np.uint8))[0]
+    )
 
 
 # -- regressions from review -----------------------------------------------------------
