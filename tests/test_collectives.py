@@ -62,6 +62,33 @@ async def test_all_reduce_of_numpy_scalars_gives_each_replica_a_read_only_array(
     assert len({id(result) for result in results}) == num_replicas
 
 
+async def test_a_numpy_scalar_type_seen_before_is_checked_as_a_new_one_is(two):
+    # A NumPy scalar type all-reduced before with the same op takes a shortcut to its
+    # signature: matching, refusals and options must work as on the first call.
+    async def step(op, kind, options=None):
+        return await aiodist.get_replica_context().all_reduce(op, kind(rid() + 1), options)
+
+    for _ in range(3):  # the first run fills the shortcut, the others take it
+        assert [float(v) for v in local(two, await two.run(step, ("sum", np.float32)))] == [3, 3]
+    options = aiodist.CommunicationOptions(timeout_seconds=5)
+    assert [float(v) for v in local(two, await two.run(step, ("max", np.float32, options)))] == [
+        2,
+        2,
+    ]
+
+    async def mixed():
+        kind = np.float32 if rid() == 0 else np.float64
+        return await aiodist.get_replica_context().all_reduce("sum", kind(1))
+
+    with pytest.raises(aiodist.CollectiveMismatchError, match="float64"):
+        await two.run(mixed)
+    for _ in range(2):  # refused, so never remembered
+        with pytest.raises(aiodist.InvalidArgumentError, match="dtype bool"):
+            await two.run(step, ("sum", np.bool_))
+    with pytest.raises(aiodist.InvalidArgumentError, match="not a reduce op"):
+        await two.run(step, (["sum"], np.float32))
+
+
 @pytest.mark.parametrize(
     ("dtype", "op"),
     [
