@@ -35,6 +35,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from functools import reduce
 from typing import Any
 
 import numpy as np
@@ -183,15 +184,9 @@ def combine_scalars(ufunc: Any, values: Any, mean: bool = False) -> np.ndarray:
     """
     first = values[0]
     inexact = isinstance(first, np.inexact)
-    if len(values) == 1:
-        total = first
-    else:
-        step = _SCALAR_OPERATORS.get(ufunc) if inexact else None
-        if step is None:
-            step = ufunc  # returns a new scalar for 0-d inputs, so no out=
-        total = step(first, values[1])
-        for value in values[2:]:
-            total = step(total, value)
+    # (functools.reduce: the loop in C.) A ufunc returns a new scalar for 0-d inputs,
+    # so no out=; one value comes back as it is.
+    total = reduce((inexact and _SCALAR_OPERATORS.get(ufunc)) or ufunc, values)
     if mean:  # on the scalar: about 1 us less than dividing the 0-d array in place
         # The count in the sum's own dtype: the quotient keeps that dtype (as the
         # in-place division of an array does) under any promotion rules.

@@ -225,9 +225,10 @@ class RunGroup:
             # Replicas that returned before any collective (the failed ones are in
             # _exits): their tasks are done, since a replica's task ends in the step
             # that reports its return, and this runs in a later one.
-            for slot, task in zip(self.slots, self._tasks, strict=False):  # none once over
-                if task.done() and not task.cancelled() and task.exception() is None:
-                    self._rendezvous.replica_exited(slot.replica_id, "returned")
+            if self._remaining < self.num_replicas:  # some replica has returned
+                for slot, task in zip(self.slots, self._tasks, strict=False):
+                    if task.done() and not task.cancelled() and task.exception() is None:
+                        self._rendezvous.replica_exited(slot.replica_id, "returned")
             for replica, how in self._exits:
                 self._rendezvous.replica_exited(replica, how)
             if self._finished:
@@ -522,7 +523,7 @@ class RunGroup:
             self.bytes_reduced += sum(sum(map(_NBYTES, p.arrays)) for p in payloads)
 
     def _collective(self, number: int, signature: Signature, payloads: list) -> Any:
-        ops = self.strategy.extended._cross_device_ops
+        ops = self.strategy._extended._cross_device_ops  # not the property: per call
         first = payloads[0]
         devices, options, streams = self.devices, first.options, self.streams
         if signature.name == "all_reduce" and first.template is None:  # one array each
