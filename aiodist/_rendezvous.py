@@ -330,8 +330,12 @@ class Rendezvous:
     @staticmethod
     def _deliver(call: _Call, results: Sequence[Any]) -> None:
         for future, result in zip(call.futures, results, strict=True):
-            if not future.done():  # a replica may have cancelled its wait
+            # No done() test first: a try costs nothing until it catches (and
+            # contextlib.suppress would cost a context manager per replica).
+            try:
                 future.set_result(result)
+            except asyncio.InvalidStateError:  # the replica cancelled its wait
+                continue
 
     def _deliver_later(self, call: _Call, done: asyncio.Future) -> None:
         if done.cancelled():

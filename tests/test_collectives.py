@@ -62,6 +62,17 @@ async def test_all_reduce_of_numpy_scalars_gives_each_replica_a_read_only_array(
     assert len({id(result) for result in results}) == num_replicas
 
 
+async def test_a_replica_may_cancel_its_wait_and_the_others_still_get_the_result(three):
+    async def fn():
+        pending = aiodist.get_replica_context().all_reduce("sum", np.float64(1))
+        if rid() == 0:
+            pending.cancel()  # registered all the same: the call completes without it
+            return None
+        return float(await pending)
+
+    assert local(three, await three.run(fn)) == [None, 3.0, 3.0]
+
+
 async def test_a_numpy_scalar_type_seen_before_is_checked_as_a_new_one_is(two):
     # A NumPy scalar type all-reduced before with the same op takes a shortcut to its
     # signature: matching, refusals and options must work as on the first call.

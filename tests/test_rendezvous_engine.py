@@ -47,6 +47,15 @@ async def test_completes_once_when_all_arrive_with_per_replica_results():
     assert rv.pending() == []
 
 
+async def test_a_wait_its_replica_cancelled_is_skipped_when_the_call_completes():
+    rv = Rendezvous(3, Recorder())
+    first = rv.arrive(0, SUM, 1)
+    first.cancel()  # the replica gave up waiting; its arrival still counts
+    second, last = rv.arrive(1, SUM, 2), rv.arrive(2, SUM, 3)
+    assert first.cancelled()
+    assert (await second, await last) == (7, 8)
+
+
 async def test_calls_are_matched_by_call_number_not_time():
     execute = Recorder()
     rv = Rendezvous(2, execute)
