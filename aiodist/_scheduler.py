@@ -154,9 +154,12 @@ async def _plain_replica(
     return result
 
 
+_MAY_HOLD_DISTRIBUTED = (DistributedValues, list, tuple, dict)
+
+
 def _may_hold_distributed(values: Any) -> bool:
     """False when no element of ``values`` is, or may contain, a distributed value."""
-    return any(isinstance(v, DistributedValues | list | tuple | dict) for v in values)
+    return any(isinstance(v, _MAY_HOLD_DISTRIBUTED) for v in values)
 
 
 class ReplicaSlot(NamedTuple):
@@ -638,6 +641,9 @@ class RunGroup:
         return self._for_each_replica(result)
 
     def _for_each_replica(self, value: object) -> list:
+        """``value`` (a merge_fn's result) as each replica receives it."""
+        if not isinstance(value, _MAY_HOLD_DISTRIBUTED):  # a plain leaf, as it is
+            return [value] * self.num_replicas
         return [select_replica(i, value, self.num_replicas) for i in range(self.num_replicas)]
 
 
