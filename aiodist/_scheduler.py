@@ -534,7 +534,10 @@ class RunGroup:
             return ops._all_reduce_one(first.op, arrays, devices, options, streams)
         arrays = [payload.arrays for payload in payloads]
         if signature.name == "all_reduce":
-            out = ops._all_reduce_flat(first.op, arrays, devices, options, streams)
+            # The signature's key holds the leaves' dtypes and shapes: (op, skeleton,
+            # dtypes, shapes).
+            layout = signature.key[2:]
+            out = ops._all_reduce_laid_out(first.op, arrays, devices, options, streams, layout)
         else:
             out = ops._all_gather_flat(arrays, first.axis, devices, options, streams)
         return self._per_replica(payloads, out, signature.key[1])

@@ -283,6 +283,22 @@ async def test_all_reduce_many_tensors_packed(three, bytes_per_pack):
         np.testing.assert_array_equal(v, np.full((2, 2), 3))
 
 
+@pytest.mark.parametrize("shape", [(2, 3), (4,), ()], ids=["2-d", "1-d", "0-d"])
+async def test_all_reduce_of_leaves_of_one_shape_gives_each_replica_its_own_views(three, shape):
+    async def fn():
+        values = [np.full(shape, rid() + k, dtype=np.float32) for k in range(5)]
+        return await aiodist.get_replica_context().all_reduce("sum", values)
+
+    result = await three.run(fn)
+    for k, leaf in enumerate(result):
+        values = local(three, leaf)
+        assert len({id(value) for value in values}) == 3
+        for value in values:
+            assert type(value) is np.ndarray and value.shape == shape
+            assert value.dtype == np.float32 and not value.flags.writeable
+            np.testing.assert_array_equal(value, np.full(shape, 3 + 3 * k))
+
+
 async def test_all_reduce_results_are_per_replica_read_only_views(two):
     async def fn():
         return await aiodist.get_replica_context().all_reduce("sum", np.ones(3))
