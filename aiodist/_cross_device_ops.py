@@ -297,6 +297,7 @@ class CrossDeviceOps:
                 reduced = self._reduce_arrays(op, buffers, target)
                 if _aliases(reduced, buffers):  # scratch memory must not escape
                     reduced = reduced.copy()
+                buffers = None  # the scratch is free again, for the next pack
             else:
                 with backend.on_device(target):
                     buffers = [

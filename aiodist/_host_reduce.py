@@ -20,7 +20,7 @@ end, before its buffers were reused).
 
 ``pack`` packs lists of leaves into scratch memory before they are reduced; the
 packed arrays never leave the reduction, so that memory is reused from call to
-call unconditionally.
+call (never while an array made from it is still alive).
 
 Pools are per thread: a strategy may run on event loops in several threads.
 """
@@ -113,11 +113,13 @@ def _results() -> _Buffers:
         return _local.buffers
 
 
-def pack(leaf_lists: Sequence[Sequence[Any]], size: int, dtype: np.dtype) -> list[np.ndarray]:
-    """Each list of leaves (one per replica, all of ``dtype``) copied in order into one
-    flat array of ``size`` elements: this thread's scratch memory, reused by the next
-    call (in this thread), so the caller must be done with the arrays by then and must
-    not let them, or views of them, escape.
+def pack(leaf_lists: Sequence[Sequence[Any]], size: int, dtype: Any) -> list[np.ndarray]:
+    """Each list of leaves (one per replica, all of ``dtype``, ``size`` elements in
+    all) copied in order into one flat array: this thread's scratch memory, reused by
+    the next call in this thread once these arrays are gone (while one is alive, its
+    memory is never written: that call takes new memory, at the cost of allocating
+    it), so the caller should drop them when it is done and must not let them, or
+    views of them, escape.
 
     The copies go through ``io.BytesIO.writelines``: a C loop doing one memcpy per
     leaf, about 45 ns per leaf where ``np.concatenate`` spends 120 on converting each
@@ -125,35 +127,52 @@ def pack(leaf_lists: Sequence[Sequence[Any]], size: int, dtype: np.dtype) -> lis
     without a C-contiguous buffer (a strided view) cannot be written: that list is
     packed by ``np.concatenate`` instead.
     """
+    dtype = np.dtype(dtype)
     nbytes = size * dtype.itemsize
     count = len(leaf_lists)
     if count * nbytes > SCRATCH_MAX_BYTES:  # never kept: fresh arrays
-        return [
-            np.concatenate(leaves, axis=None).astype(dtype, copy=False) for leaves in leaf_lists
-        ]
+        return [_concatenated(leaves, dtype) for leaves in leaf_lists]
     writers = getattr(_local, "writers", None)
     if writers is None:
         writers = _local.writers = []
+    # One writer per replica of this call, none kept beyond: bounded memory.
     if len(writers) < count:
         writers.extend(io.BytesIO() for _ in range(count - len(writers)))
+    elif len(writers) > count:
+        del writers[count:]
     packed = []
     for index, leaves in enumerate(leaf_lists):
-        writer = writers[index]
-        # Its size is the largest pack it has held (seek returns the end offset):
-        # bounded, so all the writers together keep about SCRATCH_MAX_BYTES at most.
-        if writer.seek(0, io.SEEK_END) > SCRATCH_MAX_BYTES // count:
-            writer = writers[index] = io.BytesIO()
         try:
-            writer.seek(0)
-            writer.writelines(leaves)
-        except BufferError:  # its last array is still alive somewhere (a traceback)
-            writer = writers[index] = io.BytesIO()
-            writer.writelines(leaves)
+            writer = _write(writers, index, leaves, SCRATCH_MAX_BYTES // count)
         except ValueError:  # a leaf without a C-contiguous buffer (NumPy refuses it)
-            packed.append(np.concatenate(leaves, axis=None).astype(dtype, copy=False))
+            packed.append(_concatenated(leaves, dtype))
+            continue
+        if writer.tell() != nbytes:  # not what the caller said: let NumPy cast or refuse
+            packed.append(_concatenated(leaves, dtype))
             continue
         packed.append(np.frombuffer(writer.getbuffer(), dtype, count=size))
     return packed
+
+
+def _write(writers: list[io.BytesIO], index: int, leaves: Sequence[Any], cap: int) -> io.BytesIO:
+    """``leaves`` written from the start of ``writers[index]``, replaced by a new
+    writer when it holds more than ``cap`` bytes or when an array made from it is
+    still alive (then BytesIO refuses to write: BufferError)."""
+    writer = writers[index]
+    # Its size is the largest pack it has held (seek returns the end offset).
+    if writer.seek(0, io.SEEK_END) > cap:
+        writer = writers[index] = io.BytesIO()
+    try:
+        writer.seek(0)
+        writer.writelines(leaves)
+    except BufferError:
+        writer = writers[index] = io.BytesIO()
+        writer.writelines(leaves)
+    return writer
+
+
+def _concatenated(leaves: Sequence[Any], dtype: np.dtype) -> np.ndarray:
+    return np.concatenate(leaves, axis=None).astype(dtype, copy=False)
 
 
 def _reduce_slice(ufunc: Any, flats: list, out: np.ndarray, start: int, stop: int) -> None:

@@ -2,8 +2,10 @@
 
 A run group owns
 
-- one asyncio task per replica, each created in its own copy of the caller's
-  ``contextvars`` context with that replica's ``ReplicaContext`` current, and,
+- one asyncio task per replica, each running in its own copy of the caller's
+  ``contextvars`` context, in which its first step makes that replica's
+  ``ReplicaContext`` current (a custom task factory gets that context ready-made),
+  and,
   on backends with streams, driven by ``_streams.drive`` so the replica's device
   and stream are current on every step;
 - one ``Rendezvous`` engine matching the replicas' collective calls, whose
@@ -38,6 +40,7 @@ from types import CoroutineType, GeneratorType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _context, _nest, _trace
+from ._backends import cpu_backend
 from ._context import _new_state, _State, set_state
 from ._devices import Device
 from ._errors import ContextError, RendezvousTimeoutError, ReplicaExitedError
@@ -202,9 +205,12 @@ class RunGroup:
         self.num_replicas = len(slots)
         if slots is strategy._slots:  # every run of the library: computed once
             self.devices, self.streams = strategy._devices, strategy._streams
+            self.numpy_replicas = strategy._numpy_replicas
         else:
             self.devices = tuple(slot.device for slot in slots)
             self.streams = tuple(slot.stream for slot in slots)
+            self.numpy_replicas = all(slot.backend is cpu_backend for slot in slots)
+        # (numpy_replicas: every replica's arrays are NumPy arrays, on the CPU backend.)
         # Host devices: no streams to make current or to order cross-replica work on.
         self._on_host = not slots[0].backend.needs_activation
         self._tasks: list[asyncio.Task] = []
@@ -301,8 +307,10 @@ class RunGroup:
             name = _TASK_NAMES[rid] if rid < len(_TASK_NAMES) else f"aiodist-replica-{rid}"
             if direct:
                 tasks.append(asyncio.Task(coro, loop=loop, name=name))
-            else:
-                tasks.append(loop.create_task(coro, name=name))
+            else:  # a custom factory sees the replica's state in the context it gets
+                context = self._base.copy()
+                context.run(set_state, self._state(rid))
+                tasks.append(loop.create_task(coro, name=name, context=context))
 
         try:
             await all_done
@@ -348,6 +356,11 @@ class RunGroup:
         loop = self._loop
         loop.call_soon(self._replica_failed, rid, asyncio.current_task(loop))
 
+    def _state(self, rid: int) -> _State:
+        """Replica ``rid``'s context state in this run: ``_context.replica_state``,
+        built in C without that call."""
+        return _new_state(_State, (self.strategy, self.strategy._replica_contexts[rid], True, self))
+
     def _coroutines(self, fn: Callable, args: Sequence, kwargs: dict) -> list:
         """One coroutine per replica (what its task runs), made before any task starts.
 
@@ -366,14 +379,11 @@ class RunGroup:
         tracer = _trace.active
         if tracer is not None:
             self._run_id = tracer.next_run()
-        strategy = self.strategy
-        contexts = strategy._replica_contexts
         coroutines: list = []
         try:
             for slot in self.slots:
                 rid = slot.replica_id
-                # _context.replica_state(strategy, contexts[rid], self), without the call
-                state = _new_state(_State, (strategy, contexts[rid], True, self))
+                state = self._state(rid)
                 if plain_args:
                     replica_args, replica_kwargs = args, kwargs
                 else:

@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _context, _nest, _variables
 from ._arrays import as_axis, check_reducible
-from ._backends import backend_for, is_cupy_array, is_cupy_type, visible_gpu_count
+from ._backends import backend_for, cpu_backend, is_cupy_array, is_cupy_type, visible_gpu_count
 from ._checks import options_or_default
 from ._cross_device_ops import CrossDeviceOps, NcclAllReduce, ReductionToOneDevice, check_alike
 from ._devices import HOST as _HOST
@@ -254,6 +254,7 @@ class Strategy:
             for i, device in enumerate(self._devices)
         )
         self._streams = tuple(slot.stream for slot in self._slots)  # read by every run
+        self._numpy_replicas = all(slot.backend is cpu_backend for slot in self._slots)
         self._extended = StrategyExtended(self, cross_device_ops)
         self._live_groups: set = set()  # runs in flight (statistics, stall reports)
         self._counters = Counters()

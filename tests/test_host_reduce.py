@@ -130,11 +130,52 @@ def test_pack_reuses_its_memory_but_never_overwrites_an_array_still_alive():
     assert _address(second[0]) == where  # the same scratch memory, reused
     third = pack([[np.full(300, 3.0)], ones], 300, np.dtype(np.float64))  # second is alive
     assert (second[0] == 2.0).all() and (third[0] == 3.0).all()
+    strided = np.arange(600.0)[::2]  # while third is alive: a new writer, then concatenate
+    np.testing.assert_array_equal(pack([[strided]], 300, np.float64)[0], strided)
     huge = SCRATCH_MAX_BYTES // 2 + 1  # two of these are over the limit: never kept
     zeros = [[np.zeros(huge, np.uint8)], [np.zeros(huge, np.uint8)]]
     assert not np.shares_memory(
         pack(zeros, huge, np.dtype(np.uint8))[0], pack(zeros, huge, np.dtype(np.uint8))[0]
     )
+
+
+def test_pack_of_leaves_unlike_what_was_said_lets_numpy_cast_them():
+    ints = [np.arange(3, dtype=np.int16), np.array([7], np.int16)]  # 8 bytes, not 16
+    packed = pack([ints], 4, np.float32)
+    assert packed[0].dtype == np.float32
+    np.testing.assert_array_equal(packed[0], [0, 1, 2, 7])
+
+
+def test_pack_keeps_one_writer_per_replica_of_the_last_call_only():
+    from aiodist._host_reduce import _local
+
+    leaves = [np.ones(1000, np.float32)]
+    pack([leaves] * 8, 1000, np.float32)
+    pack([leaves] * 2, 1000, np.float32)
+    assert len(_local.writers) == 2
+
+
+async def test_batched_all_reduce_reuses_its_scratch_across_packs_and_after_a_strided_leaf(
+    two,
+):
+    from aiodist._host_reduce import _local
+
+    strided = np.arange(8.0)[::2]  # no contiguous buffer: packed by np.concatenate
+
+    async def fn(options):
+        values = [np.ones(4, np.float32), np.full(2, 2.0, np.float64), np.ones(4), strided]
+        return await aiodist.get_replica_context().all_reduce("sum", values, options)
+
+    small_packs = aiodist.CommunicationOptions(bytes_per_pack=32)
+    for options in (None, small_packs):
+        await two.run(fn, (options,))  # the writers exist from here on
+        writers = list(_local.writers)
+        result = await two.run(fn, (options,))
+        assert all(a is b for a, b in zip(_local.writers, writers, strict=True))
+        expected = [[2.0] * 4, [4.0] * 2, [2.0] * 4, [0.0, 4.0, 8.0, 12.0]]
+        for leaf, values in zip(result, expected, strict=True):
+            for value in two.experimental_local_results(leaf):
+                np.testing.assert_array_equal(value, values)
 
 
 # -- regressions from review -----------------------------------------------------------

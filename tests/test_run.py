@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 
 import numpy as np
 import pytest
@@ -167,6 +168,32 @@ async def test_replica_exception_while_others_wait_in_collective(three):
     # The strategy is fully usable afterwards.
     result = await three.run(lambda: aiodist.get_replica_context().all_reduce("sum", 2.0))
     assert [float(v) for v in three.experimental_local_results(result)] == [6.0] * 3
+
+
+async def test_a_custom_task_factory_makes_the_replica_tasks_in_their_own_state(two):
+    loop = asyncio.get_running_loop()
+    seen = []
+
+    def factory(loop, coro, *, context=None, **kwargs):
+        # What the factory can read in the context it was given, before any step.
+        ctx = (context or contextvars.copy_context()).run(aiodist.get_replica_context)
+        seen.append(None if ctx is None else ctx.replica_id_in_sync_group)
+        return asyncio.Task(coro, loop=loop, context=context, **kwargs)
+
+    async def merge_fn(strategy, value):
+        return await strategy.reduce("sum", value, axis=None)
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        return await ctx.merge_call(merge_fn, (np.float64(ctx.replica_id_in_sync_group),))
+
+    loop.set_task_factory(factory)
+    try:
+        result = await two.run(fn)
+    finally:
+        loop.set_task_factory(None)
+    assert float(result) == 1.0  # the merge_fn's one result, on both replicas
+    assert seen == [0, 1, None]  # the replicas, then the merge_fn (cross-replica)
 
 
 async def test_cancelling_the_caller_cancels_every_replica(three):

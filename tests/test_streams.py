@@ -149,6 +149,25 @@ async def test_scheduler_runs_each_replica_on_its_stream_and_brackets_collective
     assert [kind for kind, _ in backend.cross_replica] == ["begin", "end"] * 4
 
 
+async def test_replicas_of_another_backend_place_numpy_scalars_with_it():
+    async def fn():
+        return await aiodist.get_replica_context().all_reduce("sum", np.float32(1))
+
+    # An ordinary run first: its host replicas remember how float32 scalars reduce.
+    await aiodist.MirroredStrategy(["cpu:0", "cpu:1"]).run(fn)
+
+    class Placing(TrackingBackend):
+        def asarray(self, value, device):
+            self.placed.append(device.index)
+            return super().asarray(value, device)
+
+    backend = Placing()
+    backend.placed = []
+    result = await _tracked_group(backend).run(fn, (), {})
+    assert sorted(backend.placed) == [0, 1]  # each replica's scalar, through its backend
+    assert [float(v) for v in result.values] == [2.0, 2.0]
+
+
 async def test_async_merge_fn_steps_on_the_cross_streams_and_only_there():
     backend = TrackingBackend()
     in_merge, bystander, after = [], [], []
