@@ -230,7 +230,7 @@ class CrossDeviceOps:
         The most common collective, so it skips the lists of leaves, unless a
         subclass does its own batched all-reduce (NCCL): that serves one array too.
         """
-        if type(self)._all_reduce_flat is not CrossDeviceOps._all_reduce_flat:
+        if self._batches_its_own_way():
             per_replica = [[array] for array in arrays]
             out = self._all_reduce_flat(op, per_replica, devices, options, streams)
             return [leaves[0] for leaves in out]
@@ -254,9 +254,14 @@ class CrossDeviceOps:
         """``_all_reduce_flat`` for a caller that has the leaves' dtypes and shapes
         (``layout``): the packing one below uses them; a subclass's own
         ``_all_reduce_flat`` is called as always, without them."""
-        if type(self)._all_reduce_flat is CrossDeviceOps._all_reduce_flat:
-            return self._all_reduce_flat(op, per_replica, devices, options, streams, layout)
-        return self._all_reduce_flat(op, per_replica, devices, options, streams)
+        if self._batches_its_own_way():
+            return self._all_reduce_flat(op, per_replica, devices, options, streams)
+        return self._all_reduce_flat(op, per_replica, devices, options, streams, layout)
+
+    def _batches_its_own_way(self) -> bool:
+        """Whether a subclass overrides ``_all_reduce_flat`` (NCCL does) instead of
+        using the packing one of this class."""
+        return type(self)._all_reduce_flat is not CrossDeviceOps._all_reduce_flat
 
     def _all_reduce_flat(
         self,
