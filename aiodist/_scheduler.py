@@ -203,6 +203,7 @@ class RunGroup:
         self.strategy = strategy
         self.slots = slots
         self.num_replicas = len(slots)
+        # numpy_replicas: every replica's arrays are NumPy arrays (the CPU backend).
         if slots is strategy._slots:  # every run of the library: computed once
             self.devices, self.streams = strategy._devices, strategy._streams
             self.numpy_replicas = strategy._numpy_replicas
@@ -210,7 +211,6 @@ class RunGroup:
             self.devices = tuple(slot.device for slot in slots)
             self.streams = tuple(slot.stream for slot in slots)
             self.numpy_replicas = all(slot.backend is cpu_backend for slot in slots)
-        # (numpy_replicas: every replica's arrays are NumPy arrays, on the CPU backend.)
         # Host devices: no streams to make current or to order cross-replica work on.
         self._on_host = not slots[0].backend.needs_activation
         self._tasks: list[asyncio.Task] = []
