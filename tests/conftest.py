@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -26,8 +29,22 @@ def pytest_asyncio_loop_factories(config, item):
     return {"asyncio": asyncio.new_event_loop, "uvloop": _uvloop_factory}
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
 def cpu_devices(n: int) -> list[str]:
     return [f"cpu:{i}" for i in range(n)]
+
+
+def run_demo(*flags: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``python -m aiodist *flags`` in this checkout, its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "aiodist", *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @contextlib.asynccontextmanager

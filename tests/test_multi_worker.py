@@ -21,6 +21,7 @@ import pytest
 
 import aiodist
 from aiodist._backends import visible_gpu_count
+from tests.conftest import run_demo
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAM = ROOT / "tests" / "mpi_programs.py"
@@ -196,13 +197,7 @@ def test_the_demo_gives_the_weights_of_one_process():
     args = ["-m", "aiodist", "--devices", "cpu:0,cpu:1", "--steps", "20"]
     rc, _, output, _ = _launch(2, *args)
     assert rc == 0, output[-3000:]
-    alone = subprocess.run(
-        [sys.executable, "-m", "aiodist", "--devices", "cpu:0,cpu:1,cpu:2,cpu:3", "--steps", "20"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    alone = run_demo("--devices", "cpu:0,cpu:1,cpu:2,cpu:3", "--steps", "20")
     assert alone.returncode == 0, alone.stderr
 
     def weights(text: str) -> np.ndarray:

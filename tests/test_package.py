@@ -10,6 +10,7 @@ import pytest
 
 import aiodist
 import aiodist.serving
+from tests.conftest import run_demo
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,13 +77,7 @@ def test_aiodist_run_uses_uvloop_when_installed():
 
 
 def test_demo_trains_to_the_true_weights():
-    done = subprocess.run(
-        [sys.executable, "-m", "aiodist", "--steps", "60", "--devices", "cpu:0,cpu:1,cpu:2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_demo("--steps", "60", "--devices", "cpu:0,cpu:1,cpu:2", timeout=120)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert "3 replica(s) on: /device:CPU:0, /device:CPU:1, /device:CPU:2" in lines
@@ -94,13 +89,7 @@ def test_demo_trains_to_the_true_weights():
 
 
 def test_demo_reports_bad_devices():
-    done = subprocess.run(
-        [sys.executable, "-m", "aiodist", "--devices", "tpu:0"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_demo("--devices", "tpu:0")
     assert done.returncode == 2
     assert "device string 'tpu:0' is not understood" in done.stderr
 
