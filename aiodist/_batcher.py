@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ._backends import host_array
-from ._checks import whole_number
+from ._checks import seconds, whole_number
 from ._errors import AiodistError, InvalidArgumentError
 from ._input import split_batch
 from ._values import regroup
@@ -143,14 +143,10 @@ class Batcher:
             ("max_batches_in_flight", max_batches_in_flight),
         ):
             whole_number(value, name, 1)
-        if not isinstance(max_wait_seconds, int | float) or max_wait_seconds < 0:
-            raise InvalidArgumentError(
-                f"max_wait_seconds={max_wait_seconds!r}; expected a number of seconds >= 0."
-            )
         self.strategy = strategy
         self.step_fn = step_fn
         self.max_batch_size = max_batch_size
-        self.max_wait_seconds = float(max_wait_seconds)
+        self.max_wait_seconds = seconds(max_wait_seconds, "max_wait_seconds", zero=True)
         self.max_queue_rows = max_queue_rows
         self.max_batches_in_flight = max_batches_in_flight
         self._queue: deque[_Request] = deque()

@@ -4,6 +4,7 @@ bad value, naming the value and what was expected."""
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any, TypeVar
 
 from ._errors import InvalidArgumentError
@@ -17,6 +18,23 @@ def whole_number(value: Any, name: str, minimum: int, hint: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InvalidArgumentError(f"{name}={value!r}; expected an int >= {minimum}{hint}.")
     return value
+
+
+def seconds(value: Any, name: str, *, zero: bool = False, hint: str = "") -> float:
+    """``value`` as a float: a finite int or float (not a bool) above 0, or at least 0
+    with ``zero``. NaN and infinity are refused: a wait of either never ends."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+        or (value == 0 and not zero)
+    ):
+        bound = ">= 0" if zero else "> 0"
+        raise InvalidArgumentError(
+            f"{name}={value!r}; expected a finite number of seconds {bound}{hint}."
+        )
+    return float(value)
 
 
 def member(kind: type[_E], value: Any, name: str) -> _E:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 
-from ._checks import member, whole_number
+from ._checks import member, seconds, whole_number
 from ._errors import InvalidArgumentError
 
 __all__ = ["CommunicationImplementation", "CommunicationOptions"]
@@ -47,16 +46,8 @@ class CommunicationOptions:
     def __post_init__(self) -> None:
         whole_number(self.bytes_per_pack, "bytes_per_pack", 0, " (0: one pack per dtype)")
         for name in ("timeout_seconds", "stall_warning_seconds"):
-            value = getattr(self, name)
-            if value is not None and not (
-                isinstance(value, int | float)
-                and not isinstance(value, bool)
-                and value > 0
-                and math.isfinite(value)
-            ):
-                raise InvalidArgumentError(
-                    f"{name}={value!r}; expected a finite number of seconds > 0, or None."
-                )
+            if (value := getattr(self, name)) is not None:
+                seconds(value, name, hint=", or None")
         implementation = member(CommunicationImplementation, self.implementation, "implementation")
         object.__setattr__(self, "implementation", implementation)  # a frozen dataclass
 

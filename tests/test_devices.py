@@ -118,8 +118,11 @@ def test_bad_constructor_arguments():
 
 
 def test_communication_options_validation_and_merge():
-    with pytest.raises(ValueError, match=r"timeout_seconds=-1"):
-        aiodist.CommunicationOptions(timeout_seconds=-1)
+    for bad in (-1, 0, True, float("nan"), float("inf"), "5"):
+        for name in ("timeout_seconds", "stall_warning_seconds"):
+            expected = rf"{name}={bad!r}; expected a finite number of seconds > 0, or None\."
+            with pytest.raises(ValueError, match=expected):
+                aiodist.CommunicationOptions(**{name: bad})
     with pytest.raises(ValueError, match=r"bytes_per_pack=1.5"):
         aiodist.CommunicationOptions(bytes_per_pack=1.5)
     with pytest.raises(

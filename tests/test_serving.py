@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import math
 import statistics
 import sys
 import time
@@ -170,8 +171,12 @@ async def test_stop_deadline_cancels_what_is_left(two):
 def test_batcher_argument_checks(two):
     with pytest.raises(ValueError, match=r"max_batch_size=0; expected an int >= 1"):
         Batcher(two, linear, max_batch_size=0)
-    with pytest.raises(ValueError, match=r"max_wait_seconds=-1"):
-        Batcher(two, linear, max_wait_seconds=-1)
+    for bad in (-1, True, math.nan, math.inf, "0.1", None):
+        expected = rf"max_wait_seconds={bad!r}; expected a finite number of seconds >= 0\."
+        with pytest.raises(ValueError, match=expected):
+            Batcher(two, linear, max_wait_seconds=bad)
+    assert Batcher(two, linear, max_wait_seconds=0).max_wait_seconds == 0.0
+    assert Batcher(two, linear, max_wait_seconds=1).max_wait_seconds == 1.0
 
 
 # -- the example server over real sockets ---------------------------------------------
