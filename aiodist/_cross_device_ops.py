@@ -23,7 +23,7 @@ replica would only cost bandwidth). Copy a result (``x.copy()``) to modify it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import repeat
 from operator import attrgetter
 from typing import Any
@@ -278,13 +278,38 @@ class CrossDeviceOps:
         ``layout``: the dtypes and shapes of the leaves, when the caller has them
         (an all-reduce's signature holds both); saves working them out again.
         """
-        dtypes, shapes = (None, None) if layout is None else layout
         first = per_replica[0]
         if len(first) == 1:  # one array each: no packing
             arrays = [leaves[0] for leaves in per_replica]
             return [[result] for result in self._reduce_and_broadcast(op, arrays, devices)]
-        target = self._gather_device(devices)
         out: list[list] = [[None] * len(first) for _ in per_replica]
+        for pack, split, reduced in self._reduced_packs(op, per_replica, devices, options, layout):
+            # Each replica's flat result (read-only views of one buffer on the host)
+            # cut into its own views, shaped like the leaves.
+            for replica, flat in enumerate(self._broadcast_array(reduced, devices)):
+                if len(pack) == len(first):  # the usual case: one dtype, one pack
+                    out[replica] = split(flat)
+                else:
+                    for index, piece in zip(pack, split(flat), strict=True):
+                        out[replica][index] = piece
+        return out
+
+    def _reduced_packs(
+        self,
+        op: ReduceOp,
+        per_replica: Sequence[Sequence[Any]],
+        devices: Sequence[Device],
+        options: CommunicationOptions,
+        layout: tuple[Sequence[Any], Sequence[tuple]] | None = None,
+    ) -> Iterator[tuple[list[int], Callable[[Any], list], Any]]:
+        """The leaves packed (one dtype per pack, ``options.bytes_per_pack``) and each
+        pack reduced across the replicas, one at a time: ``(pack, split, reduced)``,
+        where ``pack`` holds the leaves' indices, ``reduced`` is the flat result on
+        the reducing device and ``split(flat)`` cuts it into views shaped like them.
+        """
+        dtypes, shapes = (None, None) if layout is None else layout
+        first = per_replica[0]
+        target = self._gather_device(devices)
         backend = backend_for(target)
         xp = backend.xp
         if backend is not cpu_backend:  # packs are built on the device that reduces them
@@ -310,15 +335,7 @@ class CrossDeviceOps:
                         for leaves in per_replica
                     ]
                 reduced = self._reduce_arrays(op, buffers, target)
-            # Each replica's flat result (read-only views of one buffer on the host)
-            # cut into its own views, shaped like the leaves.
-            for replica, flat in enumerate(self._broadcast_array(reduced, devices)):
-                if whole:
-                    out[replica] = split(flat)
-                else:
-                    for index, piece in zip(pack, split(flat), strict=True):
-                        out[replica][index] = piece
-        return out
+            yield pack, split, reduced
 
     def _all_gather_flat(
         self,

@@ -616,8 +616,8 @@ DEFAULT_TIMEOUT_SECONDS = 300.0
 async def _reduce_leaves(
     world: World, op: ReduceOp, leaves: list, what: str, timeout: float | None
 ) -> list:
-    """Each worker's (locally combined) ``leaves`` reduced across workers, one MPI
-    call per dtype; MEAN divides by the global replica count."""
+    """Each worker's (locally combined) ``leaves`` reduced across workers with ``op``
+    (not MEAN: the caller divides), one MPI call per dtype."""
     out: list = [None] * len(leaves)
     for members in _pack_indices(leaves, 0):  # one pack per dtype
         if len(members) == 1:
@@ -625,11 +625,34 @@ async def _reduce_leaves(
         else:
             buffer = np.concatenate([np.asarray(leaves[i]).reshape(-1) for i in members])
         total = await world.all_reduce(op, buffer, what, timeout)
-        if op is ReduceOp.MEAN:
-            total = mean_of_sum(np, total, world.total)
         for i, piece in zip(members, _split(total, [leaves[i] for i in members]), strict=True):
             out[i] = piece
     return out
+
+
+async def _all_reduce_packs(
+    world: World,
+    ops: Any,
+    op: ReduceOp,
+    arrays: list[list],
+    devices: Sequence[Device],
+    options: CommunicationOptions,
+    what: str,
+) -> list:
+    """This worker's replicas' leaves (``arrays[r][i]``) reduced over every worker's
+    replicas, as host arrays. Each pack is combined over the local replicas by
+    ``ops`` into one flat buffer, which goes to MPI as it is (one call per pack) and
+    is cut into the leaves once, at the end."""
+    local_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
+    leaves: list = [None] * len(arrays[0])
+    for pack, split, reduced in ops._reduced_packs(local_op, arrays, devices, options):
+        flat = np.asarray(reduced).reshape(-1)
+        total = await world.all_reduce(local_op, flat, what, options.timeout_seconds)
+        if op is ReduceOp.MEAN:
+            total = mean_of_sum(np, total, world.total)
+        for index, piece in zip(pack, split(total), strict=True):
+            leaves[index] = piece
+    return leaves
 
 
 async def _gather_leaves(
@@ -681,11 +704,12 @@ class _WorkerGroup(RunGroup):
         devices, options, streams = self.devices, first.options, self.streams
         with world.operation():
             if signature.name == "all_reduce":
-                op = first.op
-                local_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
-                local = ops._all_reduce_flat(local_op, arrays, devices, options, streams)[0]
-                await world.agree(what, key, timeout)
-                leaves = await _reduce_leaves(world, op, list(local), what, timeout)
+                # The packs decide how many MPI calls are made: they must agree too.
+                packs = f"{key} bytes_per_pack={options.bytes_per_pack}"
+                await world.agree(what, packs, timeout)
+                leaves = await _all_reduce_packs(
+                    world, ops, first.op, arrays, devices, options, what
+                )
             else:
                 local = ops._all_gather_flat(arrays, first.axis, devices, options, streams)[0]
                 shapes = [list(leaf.shape) for leaf in local]
@@ -747,17 +771,24 @@ class _MultiWorkerExtended(StrategyExtended):
         _context.require_cross_replica(self._strategy, "reduce_to")
         op = ReduceOp.of(reduce_op)
         devices = resolve_destinations(destinations)
-        total = await self._strategy._reduce_across(op, value, None, options)
+        (total,) = await self._strategy._reduce_across(op, [value], None, options, "reduce_to")
         return self._cross_device_ops._deliver(total, devices)
 
     async def batch_reduce_to(
         self, reduce_op: Any, value_destination_pairs: Sequence[tuple], options: Any = None
     ) -> list:
+        """Every pair's value reduced across workers together: one header exchange
+        and one MPI call per dtype for the whole batch, not two round trips a pair."""
         _context.require_cross_replica(self._strategy, "batch_reduce_to")
         op = ReduceOp.of(reduce_op)
+        pairs = self._pairs(op, value_destination_pairs)
+        if not pairs:
+            return []
+        values = [value for value, _ in pairs]
+        totals = await self._strategy._reduce_across(op, values, None, options, "batch_reduce_to")
         return [
-            await self.reduce_to(op, value, destinations, options)
-            for value, destinations in self._pairs(op, value_destination_pairs)
+            self._cross_device_ops._deliver(total, resolve_destinations(destinations))
+            for total, (_, destinations) in zip(totals, pairs, strict=True)
         ]
 
     def _distributed(self, op: ReduceOp, value: Any) -> Any:
@@ -878,7 +909,8 @@ class MultiWorkerMirroredStrategy(Strategy):
     async def reduce(self, reduce_op: Any, value: Any, axis: Any = None) -> Any:
         """``Strategy.reduce`` over every worker's replicas; a NumPy array on every worker."""
         _context.require_cross_replica(self, "reduce")
-        return await self._reduce_across(ReduceOp.of(reduce_op), value, axis, None)
+        op = ReduceOp.of(reduce_op)
+        return (await self._reduce_across(op, [value], axis, None))[0]
 
     def _per_local_replica(self, value: Any) -> Any:
         """``value`` as this worker's replicas' values: a variable's are its copies;
@@ -891,25 +923,42 @@ class MultiWorkerMirroredStrategy(Strategy):
             return value
         return PerReplica([value] * len(self._slots), self._devices)
 
-    async def _reduce_across(self, op: ReduceOp, value: Any, axis: Any, options: Any) -> Any:
-        parts = await self._host_components(self._per_local_replica(value))
+    async def _reduce_across(
+        self,
+        op: ReduceOp,
+        values: Sequence[Any],
+        axis: Any,
+        options: Any,
+        method: str = "strategy.reduce",
+    ) -> list[np.ndarray]:
+        """Each of ``values`` reduced over every worker's replicas, as host arrays:
+        each first combined over this worker's replicas, then all of them across
+        workers with one header exchange and one MPI call per dtype."""
         timeout = self._communication_options.merge(options).timeout_seconds
-        # The checks and per-replica reductions of strategy.reduce (MEAN: sums).
-        parts, count = _local_parts(op, parts, axis)
         local_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
-        local = self.extended._cross_device_ops._reduce_arrays(
-            local_op,
-            [np.asarray(p) for p in parts],
-            _HOST,  # host parts: reduced there
-        )
-        what = f"strategy.reduce({op.name}, {leaf_text(local)})"
-        key = repr((op.name, local.dtype.str, local.shape))
+        totals, counts = [], []
+        for value in values:
+            parts = await self._host_components(self._per_local_replica(value))
+            # The checks and per-replica reductions of strategy.reduce (MEAN: sums).
+            parts, count = _local_parts(op, parts, axis)
+            local = self.extended._cross_device_ops._reduce_arrays(
+                local_op,
+                [np.asarray(p) for p in parts],
+                _HOST,  # host parts: reduced there
+            )
+            totals.append(np.asarray(local))
+            counts.append(count)
+        what = f"{method}({op.name}, {', '.join(map(leaf_text, totals))})"
+        key = repr((op.name, [(total.dtype.str, total.shape) for total in totals]))
         with self._world.operation():
-            headers = await self._world.agree(what, key, timeout, count=count)
-            total = await self._world.all_reduce(local_op, np.asarray(local), what, timeout)
-        if op is ReduceOp.MEAN:
-            return mean_of_sum(np, total, sum(h["count"] for h in headers))
-        return total
+            headers = await self._world.agree(what, key, timeout, counts=counts)
+            totals = await _reduce_leaves(self._world, local_op, totals, what, timeout)
+        if op is ReduceOp.MEAN:  # by the true element count of every worker's values
+            return [
+                mean_of_sum(np, total, sum(h["counts"][i] for h in headers))
+                for i, total in enumerate(totals)
+            ]
+        return totals
 
     async def gather(self, value: Any, axis: int) -> Any:
         """``Strategy.gather`` over every worker's replicas, in global replica order."""

@@ -42,7 +42,7 @@ from ._devices import Device
 from ._errors import ContextError, InvalidArgumentError
 from ._ops import ReduceOp
 from ._replica_context import _keywords, _positional
-from ._values import DistributedValues, Mirrored, select_replica
+from ._values import DistributedValues, Mirrored, PerReplica, select_replica
 
 __all__ = [
     "MirroredVariable",
@@ -427,12 +427,17 @@ class MirroredVariable(Variable):
         per_replica = strategy._per_local_replica(per_replica)
         if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             # Global replica 0 is worker 0's first: its value reaches every worker
-            # as a sum in which every other worker adds zeros.
+            # as a sum in which every other replica adds zeros (a plain array would
+            # count once per local replica).
             first = np.asarray(host_array(strategy.experimental_local_results(per_replica)[0]))
-            mine = first if strategy._world.rank == 0 else np.zeros_like(first)
-            return await strategy._reduce_across(ReduceOp.SUM, mine, None, None)
+            zeros = np.zeros_like(first)
+            parts = [first if strategy._world.rank == 0 else zeros]
+            parts += [zeros] * (len(strategy._slots) - 1)
+            (total,) = await strategy._reduce_across(ReduceOp.SUM, [PerReplica(parts)], None, None)
+            return total
         op = ReduceOp.SUM if self._aggregation is VariableAggregation.SUM else ReduceOp.MEAN
-        return await strategy._reduce_across(op, per_replica, None, None)
+        (total,) = await strategy._reduce_across(op, [per_replica], None, None)
+        return total
 
     def _aggregate(self, parts: Sequence[Any]) -> Any:
         if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:

@@ -33,6 +33,10 @@ def _plain(value):
     return value
 
 
+def _half(ctx: aiodist.ValueContext) -> np.float32:
+    return np.float32(ctx.replica_id_in_sync_group / 2)
+
+
 async def compute(strategy: aiodist.Strategy) -> dict:
     """TF-style examples whose numbers must not depend on how replicas are spread
     over processes. Returns per-replica results keyed by global replica id, and
@@ -70,6 +74,9 @@ async def compute(strategy: aiodist.Strategy) -> dict:
         ids = strategy.experimental_distribute_values_from_function(
             lambda ctx: np.array([ctx.replica_id_in_sync_group, 1.0])
         )
+        int_ids = strategy.experimental_distribute_values_from_function(
+            lambda ctx: np.array([ctx.replica_id_in_sync_group, 2], np.int32)
+        )
         uneven = strategy.experimental_distribute_values_from_function(
             lambda ctx: np.arange(ctx.replica_id_in_sync_group + 1.0)
         )
@@ -82,6 +89,17 @@ async def compute(strategy: aiodist.Strategy) -> dict:
             "batch_reduce_to": await strategy.extended.batch_reduce_to(
                 "mean", [(ids, "cpu:0"), (ids, "cpu:0")]
             ),
+            # Three dtypes and a 0-d value in one batch (one MPI call per dtype).
+            "batch_reduce_to_mixed": await strategy.extended.batch_reduce_to(
+                "sum",
+                [
+                    (ids, "cpu:0"),
+                    (int_ids, "cpu:0"),
+                    (strategy.experimental_distribute_values_from_function(_half), "cpu:0"),
+                    (ids, "cpu:0"),
+                ],
+            ),
+            "batch_reduce_to_empty": await strategy.extended.batch_reduce_to("sum", []),
         }
         flags = strategy.experimental_distribute_values_from_function(
             lambda ctx: np.array([ctx.replica_id_in_sync_group % 2 == 0])
@@ -92,16 +110,20 @@ async def compute(strategy: aiodist.Strategy) -> dict:
             cross["reduce_bools"] = str(exc)
         weights = aiodist.Variable(np.zeros(2), aggregation="mean", name="weights")
         counter = aiodist.Variable(np.zeros(()), aggregation="sum", name="counter")
+        # Global replica 0's value: counted once however many replicas a worker has.
+        first = aiodist.Variable(np.zeros(2), aggregation="only_first_replica", name="first")
 
     async def update():
         rid = aiodist.get_replica_context().replica_id_in_sync_group
         await weights.assign_add(np.array([rid, 1.0]))
         await counter.assign_add(1.0)
+        await first.assign_add(np.array([rid + 1.0, 10.0]))
 
     await strategy.run(update)
     await strategy.run(update)
     cross["weights"] = weights.numpy()
     cross["counter"] = counter.numpy()
+    cross["first"] = first.numpy()
     cross["on_read"] = await _on_read(strategy)
 
     # Global batches of 7 rows (uneven over the replicas): each replica's rows,
