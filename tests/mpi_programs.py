@@ -50,6 +50,10 @@ async def compute(strategy: aiodist.Strategy) -> dict:
         total = await ctx.all_reduce("sum", np.float64(rid + 1))
         mean = await ctx.all_reduce("mean", [np.arange(3.0) * rid, np.int64(rid)])
         largest = await ctx.all_reduce("max", np.array([rid, -rid]))
+        # Packs of at most 16 bytes: several MPI calls, two dtypes interleaved.
+        small_packs = aiodist.CommunicationOptions(bytes_per_pack=16)
+        leaves = [np.arange(3.0) + rid, np.int32(rid), np.full(2, rid, np.int32), np.float64(rid)]
+        packed = await ctx.all_reduce("sum", leaves, options=small_packs)
         # all_gather's TF example shape, with uneven lengths along axis 0.
         gathered = await ctx.all_gather(np.full((rid % 2 + 1, 2), rid), axis=0)
 
@@ -62,6 +66,7 @@ async def compute(strategy: aiodist.Strategy) -> dict:
             "total": total,
             "mean": mean,
             "max": largest,
+            "packed": packed,
             "gathered": gathered,
             "merged": merged,
             "num_replicas": ctx.num_replicas_in_sync,
