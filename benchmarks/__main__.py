@@ -91,6 +91,38 @@ def _median_runs(loop_factory, n: int, steps: dict, repeats: int) -> dict:
     return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
+IN_FLIGHT = (1, 16, 64, 256)  # (f) scaling: runs in flight at once
+
+
+def _scaling(loop_factory, n: int, steps: int, repeats: int) -> dict:
+    """Seconds per run of (b) with 1 to 256 runs in flight, beside the floor's
+    steps in flight: per-run cost should grow no faster than the floor's."""
+    out: dict = {"replicas": n, "in_flight": list(IN_FLIGHT), "aiodist": [], "floor": []}
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        for concurrent in IN_FLIGHT:
+            runs = max(steps, 4 * concurrent)  # at least 4 rounds each
+            for key, measure in (("aiodist", w.measure_f), ("floor", w.floor_f)):
+                times = [runner.run(measure(n, runs, concurrent)) for _ in range(repeats)]
+                out[key].append(statistics.median(times))
+    return out
+
+
+def _scaling_table(scaling: dict) -> str:
+    lines = [
+        f"(f) scaling, N={scaling['replicas']}: seconds per run of (b) with runs in flight",
+        f"{'in flight':>9} {'aiodist':>11} {'floor':>11} {'x floor':>8} {'aiodist vs 1':>12}",
+    ]
+    alone = scaling["aiodist"][0]
+    for count, ours, floor in zip(
+        scaling["in_flight"], scaling["aiodist"], scaling["floor"], strict=True
+    ):
+        lines.append(
+            f"{count:>9} {_fmt_time(ours):>11} {_fmt_time(floor):>11} "
+            f"{ours / floor:7.2f}x {ours / alone:11.2f}x"
+        )
+    return "\n".join(lines)
+
+
 def _numpy_baselines(n: int, steps: dict, repeats: int) -> dict:
     return {
         f"numpy_{mib}MiB": statistics.median(
@@ -259,10 +291,13 @@ def main(argv: list[str] | None = None) -> int:
         per_n["numpy"] = _numpy_baselines(n, steps, repeats)
         report["results"][str(n)] = per_n
         report["tensorflow"][str(n)] = _tensorflow(tf_python, n, args.quick)
+    best_loop = loops.get("uvloop", asyncio.new_event_loop)
+    scaling_n = 4 if 4 in replicas else replicas[0]
+    report["scaling"] = _scaling(best_loop, scaling_n, steps["f"], repeats)
     if not args.no_serving and serving.available():
         total = 300 if args.quick else 2000
         devices = [f"cpu:{i}" for i in range(4)]
-        with asyncio.Runner(loop_factory=loops.get("uvloop", asyncio.new_event_loop)) as runner:
+        with asyncio.Runner(loop_factory=best_loop) as runner:
             report["serving"] = runner.run(serving.measure(devices, [1, 16, 128], total))
     elif not args.no_serving:
         print(
@@ -274,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"aiodist {report['aiodist']} benchmarks, {report['date']}, {report['machine']}")
     print(f"Python {report['python']}; median of {repeats} repeats; {report['seconds']} s\n")
     print(_table(report))
+    print("\n" + _scaling_table(report["scaling"]))
     if report.get("serving"):
         print("\n" + serving.table(report["serving"]))
         print("4 CPU replicas, uvloop; one row per request; the load comes from another process.")

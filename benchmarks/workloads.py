@@ -8,7 +8,8 @@ loop and returns seconds per step. Workloads (issue 6):
 (c) one ``merge_call`` whose merge_fn awaits ``strategy.reduce(SUM, v, axis=None)``;
 (d) ``all_reduce(SUM, x)`` of 1/16/64 MiB float32 per replica;
 (e) one batched ``all_reduce`` of 100 float32 tensors of 1 KiB;
-(f) 64 concurrent ``strategy.run`` calls each doing (b): seconds per run;
+(f) 64 concurrent ``strategy.run`` calls each doing (b): seconds per run (and, for
+    the scaling table, 1 to 256 in flight beside the floor's steps in flight);
 (g) (b) while a trace is recorded: the cost of tracing (with tracing off, (b)
     itself carries every hook, so (b) is also the "tracing off" figure).
 
@@ -111,23 +112,24 @@ async def measure_c(n: int, steps: int) -> float:
 async def floor_bc(n: int, steps: int) -> float:
     """N bare tasks meet at one future; the last arrival reduces the N scalars."""
     loop = asyncio.get_running_loop()
+    return await _timed(lambda: _floor_meeting(loop, n), steps)
+
+
+async def _floor_meeting(loop: asyncio.AbstractEventLoop, n: int) -> None:
+    """One step of the (b)/(c) floor: N bare tasks meeting at one plain future."""
     one = np.float32(1.0)
+    arrived: list = []
+    meeting = loop.create_future()
 
-    async def step():
-        arrived: list = []
-        meeting = loop.create_future()
+    async def replica():
+        arrived.append(one)
+        if len(arrived) == n:
+            meeting.set_result(np.add.reduce(arrived))
+        return await meeting
 
-        async def replica():
-            arrived.append(one)
-            if len(arrived) == n:
-                meeting.set_result(np.add.reduce(arrived))
-            return await meeting
-
-        tasks = [loop.create_task(replica()) for _ in range(n)]
-        for task in tasks:
-            await task
-
-    return await _timed(step, steps)
+    tasks = [loop.create_task(replica()) for _ in range(n)]
+    for task in tasks:
+        await task
 
 
 # -- (d) -----------------------------------------------------------------------------
@@ -177,8 +179,20 @@ async def measure_f(n: int, steps: int, concurrent: int = 64) -> float:
     async def fn():
         return await aiodist.get_replica_context().all_reduce("sum", one)
 
+    return await _in_flight(lambda: strategy.run(fn), steps, concurrent)
+
+
+async def floor_f(n: int, steps: int, concurrent: int = 64) -> float:
+    """(f)'s floor: seconds per (b)-floor step while ``concurrent`` are in flight."""
+    loop = asyncio.get_running_loop()
+    return await _in_flight(lambda: _floor_meeting(loop, n), steps, concurrent)
+
+
+async def _in_flight(start, steps: int, concurrent: int) -> float:
+    """Seconds per ``start()`` awaitable while ``concurrent`` of them are in flight."""
+
     async def batch():
-        await asyncio.gather(*(strategy.run(fn) for _ in range(concurrent)))
+        await asyncio.gather(*(start() for _ in range(concurrent)))
 
     rounds = max(1, steps // concurrent)
     return await _timed(batch, rounds) / concurrent

@@ -3,10 +3,12 @@ workloads measure real runs (the figures themselves are not asserted here)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from benchmarks import workloads
-from benchmarks.__main__ import main
+from benchmarks.__main__ import IN_FLIGHT, _scaling, _scaling_table, main
 
 
 @pytest.mark.parametrize(
@@ -37,3 +39,15 @@ async def test_workloads_and_floors_measure_positive_seconds_per_step():
     ):
         seconds = await measure(2, 20)
         assert 0 < seconds < 1, measure.__name__
+    for measure in (workloads.measure_f, workloads.floor_f):  # runs in flight at once
+        seconds = await measure(2, 24, concurrent=8)
+        assert 0 < seconds < 1, measure.__name__
+
+
+def test_the_scaling_table_has_a_row_per_count_in_flight():
+    scaling = _scaling(asyncio.new_event_loop, 2, 8, 1)
+    assert scaling["in_flight"] == list(IN_FLIGHT)
+    assert all(0 < t < 1 for t in scaling["aiodist"] + scaling["floor"])
+    rows = _scaling_table(scaling).splitlines()[2:]
+    assert [int(row.split()[0]) for row in rows] == list(IN_FLIGHT)
+    assert rows[0].endswith("1.00x")  # per-run cost relative to one run in flight
