@@ -32,6 +32,7 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -154,7 +155,8 @@ class Batcher:
         self._accepting = False
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
-        self._starting = False
+        self._starting: asyncio.Future | None = None  # set while start() warms up
+        self._stop_requested = False
         self._running: set[asyncio.Task] = set()
         self._slots: asyncio.Semaphore | None = None
         self._requests = self._batches = self._rows = self._rejected = self._failed = 0
@@ -163,18 +165,28 @@ class Batcher:
     # -- lifecycle ---------------------------------------------------------------------
 
     async def start(self, warmup_rows: np.ndarray | None = None) -> None:
-        """Warm up (one run of ``warmup_rows``, if given) and start batching."""
-        if self._loop_task is not None or self._starting:
+        """Warm up (one run of ``warmup_rows``, if given) and start batching. A call
+        made while another is warming up waits for it."""
+        if self._loop_task is not None:
             return
-        self._starting = True
+        if self._starting is not None:  # another start() is warming up: wait for it
+            await asyncio.shield(self._starting)
+            if self._loop_task is None:
+                raise NotServing("the batcher did not start (its warm-up failed, or stop() ran).")
+            return
+        self._starting = starting = asyncio.get_running_loop().create_future()
+        self._stop_requested = False
         try:
             await self._start(warmup_rows)
         finally:
-            self._starting = False
+            self._starting = None
+            starting.set_result(None)
 
     async def _start(self, warmup_rows: np.ndarray | None) -> None:
         if warmup_rows is not None:
             await self._run_batch(np.asarray(warmup_rows))
+        if self._stop_requested:  # stop() ran during the warm-up: it wins
+            return
         self._wakeup = asyncio.Event()
         self._slots = asyncio.Semaphore(self.max_batches_in_flight)
         self._accepting = True
@@ -184,30 +196,34 @@ class Batcher:
 
     async def stop(self, deadline: float = 10.0) -> None:
         """Stop admitting; finish queued and running batches within ``deadline`` seconds,
-        then cancel what is left (those callers get ``NotServing``)."""
+        then cancel what is left (those callers get ``NotServing``). Stopping during
+        ``start``'s warm-up keeps the batcher from starting."""
         self._accepting = False
+        self._stop_requested = True
         task = self._loop_task
         if task is None:
             return
         assert self._wakeup is not None
         self._wakeup.set()
         end = time.perf_counter() + deadline
-        # The batching loop drains the queue (starting batches as it goes), then the
-        # batches it started finish; both within the deadline.
-        await asyncio.wait({task}, timeout=deadline)
-        if self._running:
-            await asyncio.wait(set(self._running), timeout=max(0.0, end - time.perf_counter()))
-        for leftover in (task, *self._running):
-            if not leftover.done():
-                leftover.cancel()
+        try:
+            # The batching loop drains the queue (starting batches as it goes), then the
+            # batches it started finish; both within the deadline.
+            await asyncio.wait({task}, timeout=deadline)
+            if self._running:
+                await asyncio.wait(set(self._running), timeout=max(0.0, end - time.perf_counter()))
+        finally:  # also when stop() itself is cancelled: nothing is left serving
+            for leftover in (task, *self._running):
+                if not leftover.done():
+                    leftover.cancel()
+            self._loop_task = None
+            _fail(
+                self._queue,
+                NotServing("the batcher stopped before this request ran; retry elsewhere."),
+            )
+            self._queue.clear()
+            self._queued_rows = 0
         await asyncio.gather(task, *self._running, return_exceptions=True)
-        _fail(
-            self._queue,
-            NotServing("the batcher stopped before this request ran; retry elsewhere."),
-        )
-        self._queue.clear()
-        self._queued_rows = 0
-        self._loop_task = None
 
     @contextlib.asynccontextmanager
     async def lifespan(
@@ -230,6 +246,11 @@ class Batcher:
         if rows.ndim != 2 or len(rows) == 0:
             raise InvalidArgumentError(
                 f"submit: rows of shape {rows.shape}; expected a 2-D array with at least one row."
+            )
+        if len(rows) > self.max_batch_size:
+            raise InvalidArgumentError(
+                f"submit: a request of {len(rows)} rows is larger than one batch "
+                f"(max_batch_size={self.max_batch_size}); split it into smaller requests."
             )
         if len(rows) > self.max_queue_rows:
             raise InvalidArgumentError(
@@ -323,51 +344,60 @@ class Batcher:
                 continue
             task = loop.create_task(self._serve(batch))
             self._running.add(task)
-            task.add_done_callback(self._running.discard)
+            task.add_done_callback(partial(self._served, batch))
+
+    def _served(self, batch: list[_Request], task: asyncio.Task) -> None:
+        """A batch's task ended: free its slot and answer whoever is still waiting.
+        Done here, not in ``_serve``: a task cancelled (by ``stop``) before its first
+        step never runs its coroutine's handlers."""
+        assert self._slots is not None
+        self._running.discard(task)
+        self._slots.release()
+        stopped = "the batcher stopped before this request's batch finished; retry elsewhere."
+        _fail(batch, NotServing(stopped))
 
     async def _serve(self, batch: list[_Request]) -> None:
-        assert self._slots is not None
         try:
-            try:
-                rows = np.concatenate([request.rows for request in batch])
-                outputs = await self._run_batch(rows)
-            except asyncio.CancelledError:  # stop() ran out of time: answer, never hang
-                _fail(
-                    batch,
-                    NotServing(
-                        "the batcher stopped before this request's batch finished; retry elsewhere."
-                    ),
-                )
-                raise
-            except Exception as exc:
-                self._failed += 1
-                _fail(batch, exc)
-                return
-            self._batches += 1
-            self._rows += len(rows)
-            now = time.perf_counter()
-            offset = 0
-            for request in batch:
-                size = len(request.rows)
-                if not request.future.done():
-                    request.future.set_result(outputs[offset : offset + size])
-                    self._requests += 1
-                    self._latencies.append(now - request.submitted)
-                offset += size
-        finally:
-            self._slots.release()
+            rows = np.concatenate([request.rows for request in batch])
+            outputs = await self._run_batch(rows)
+        except Exception as exc:
+            self._failed += 1
+            _fail(batch, exc)
+            return
+        self._batches += 1
+        self._rows += len(rows)
+        now = time.perf_counter()
+        offset = 0
+        for request in batch:
+            size = len(request.rows)
+            if not request.future.done():
+                request.future.set_result(outputs[offset : offset + size])
+                self._requests += 1
+                self._latencies.append(now - request.submitted)
+            offset += size
 
     async def _run_batch(self, rows: np.ndarray) -> np.ndarray:
         # This process's replicas (under MultiWorkerMirroredStrategy every worker
         # batches its own requests, not a share of a global batch).
         strategy = self.strategy
-        inputs = regroup(split_batch(rows, len(strategy._slots)), strategy._devices)
+        shards = split_batch(rows, len(strategy._slots))
+        inputs = regroup(shards, strategy._devices)
         result = await self.strategy.run(self.step_fn, args=(inputs,))
-        parts = self.strategy.experimental_local_results(result)
-        outputs = np.concatenate([host_array(part) for part in parts])  # CuPy too
-        if len(outputs) != len(rows):
-            raise InvalidArgumentError(
-                f"the step returned {len(outputs)} rows for a batch of {len(rows)}; it must "
-                "return one output row per input row."
-            )
-        return outputs
+        parts = [host_array(part) for part in self.strategy.experimental_local_results(result)]
+        if len(parts) == 1 and len(shards) > 1:  # the same object from every replica
+            parts *= len(shards)
+        # Each replica's rows checked against its own share: a surplus on one and a
+        # shortfall on another would hand callers each other's rows.
+        for replica, (part, shard) in enumerate(zip(parts, shards, strict=True)):
+            got = len(part) if getattr(part, "ndim", 0) >= 1 else None
+            if got != len(shard):
+                shown = (
+                    f"{got} row{'' if got == 1 else 's'}"
+                    if got is not None
+                    else f"a value of shape {np.shape(part)}"
+                )
+                raise InvalidArgumentError(
+                    f"the step returned {shown} on replica {replica} for its {len(shard)} "
+                    "input rows; it must return one output row per input row."
+                )
+        return np.concatenate(parts)  # CuPy too (host copies)

@@ -168,6 +168,122 @@ async def test_stop_deadline_cancels_what_is_left(two):
     assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("aiodist-")]
 
 
+async def test_stop_answers_batches_cancelled_before_they_started(two):
+    # One batch in flight at a time, one row each: stop(deadline=0) cancels batches
+    # whose task never ran a step; their callers are answered all the same.
+    async def double(rows):
+        return rows * 2
+
+    batcher = Batcher(two, double, max_batch_size=1, max_wait_seconds=0, max_batches_in_flight=1)
+    await batcher.start()
+    callers = [asyncio.create_task(batcher.submit(np.full((1, 1), i))) for i in range(3)]
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    await batcher.stop(deadline=0)
+    done, pending = await asyncio.wait(callers, timeout=5)
+    assert not pending, "a caller was left waiting after stop()"
+    for caller in done:
+        assert caller.exception() is None or isinstance(caller.exception(), NotServing)
+    await batcher.start()  # every batch slot was given back
+    np.testing.assert_array_equal(await batcher.submit(np.ones((1, 1))), [[2.0]])
+    await batcher.stop()
+
+
+async def test_stop_during_warm_up_keeps_the_batcher_stopped(two):
+    warming, release = asyncio.Event(), asyncio.Event()
+
+    async def slow(rows):
+        warming.set()
+        await release.wait()
+        return rows
+
+    batcher = Batcher(two, slow)
+    starting = asyncio.create_task(batcher.start(np.ones((2, 1))))
+    await warming.wait()
+    await batcher.stop()
+    release.set()
+    await starting
+    with pytest.raises(NotServing):
+        await batcher.submit(np.ones((1, 1)))
+    assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("aiodist-batcher")]
+
+
+async def test_a_second_start_waits_for_the_first(two):
+    warming, release = asyncio.Event(), asyncio.Event()
+
+    async def slow(rows):
+        warming.set()
+        await release.wait()
+        return rows
+
+    batcher = Batcher(two, slow, max_wait_seconds=0)
+    first = asyncio.create_task(batcher.start(np.ones((2, 1))))
+    await warming.wait()
+    second = asyncio.create_task(batcher.start())
+    await asyncio.sleep(0.01)
+    assert not second.done()  # waits for the warm-up instead of returning unready
+    release.set()
+    await asyncio.gather(first, second)
+    np.testing.assert_array_equal(await batcher.submit(np.ones((1, 1))), [[1.0]])
+    await batcher.stop()
+
+
+async def test_a_cancelled_stop_still_stops_and_the_batcher_can_start_again(two):
+    entered = []
+
+    async def never(rows):
+        entered.append(True)
+        await asyncio.Event().wait()
+
+    batcher = Batcher(two, never, max_wait_seconds=0)
+    await batcher.start()
+    stuck = asyncio.create_task(batcher.submit(np.ones((1, 1))))
+    await wait_until(lambda: entered, "batch started")
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.05):
+            await batcher.stop(deadline=10)
+    with pytest.raises(NotServing):
+        await stuck
+    batcher.step_fn = linear
+    await batcher.start()
+    np.testing.assert_array_equal(await batcher.submit(np.ones((1, 4))), np.ones((1, 4)) @ W)
+    await batcher.stop()
+
+
+async def test_a_request_larger_than_a_batch_is_refused(two):
+    batcher = Batcher(two, linear, max_batch_size=4)
+    await batcher.start()
+    with pytest.raises(ValueError, match=r"a request of 9 rows is larger than one batch"):
+        await batcher.submit(np.ones((9, 4)))
+    np.testing.assert_array_equal(await batcher.submit(np.ones((4, 4))), np.ones((4, 4)) @ W)
+    await batcher.stop()
+
+
+async def test_each_replicas_row_count_is_checked_not_only_the_total(two):
+    # Replica 0 returns one row short, replica 1 one extra: the total is right, but
+    # callers would get each other's rows.
+    async def skewed(rows):
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        return rows[:-1] if rid == 0 else np.concatenate([rows, rows[:1]])
+
+    batcher = Batcher(two, skewed, max_wait_seconds=0.05)
+    await batcher.start()
+    outcomes = await asyncio.gather(
+        *(batcher.submit(np.full((1, 1), float(i))) for i in range(4)), return_exceptions=True
+    )
+    for outcome in outcomes:
+        assert isinstance(outcome, aiodist.InvalidArgumentError), outcome
+        assert "returned 1 row on replica 0 for its 2 input rows" in str(outcome)
+
+    async def scalar(rows):
+        return np.float64(1.0)
+
+    batcher.step_fn = scalar
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"a value of shape \(\) on replica 0"):
+        await batcher.submit(np.ones((2, 1)))
+    await batcher.stop()
+
+
 def test_batcher_argument_checks(two):
     with pytest.raises(ValueError, match=r"max_batch_size=0; expected an int >= 1"):
         Batcher(two, linear, max_batch_size=0)
