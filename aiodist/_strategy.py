@@ -502,7 +502,24 @@ def _local_parts(op: ReduceOp, parts: list, axis: Any) -> tuple[list, int]:
     check_reducible(op, parts[0], "reduce")
     count = sum(int(np.prod([p.shape[a] for a in axes])) for p in parts)
     ufunc = getattr(np, op.ufunc)  # MEAN's is add
-    return [np.asarray(ufunc.reduce(p, axis=axes)) for p in parts], count
+    # MIN, MAX: an empty share (an uneven last batch) reduces to the identity TF uses,
+    # the dtype's extreme (-inf for a MAX of floats), so it changes nothing.
+    extra = {"initial": _extreme(op, parts[0].dtype)} if ufunc.identity is None else {}
+    # Sums and products keep the values' dtype, as without axis (MEAN divides a sum
+    # made in NumPy's default accumulator, which does not overflow small integers).
+    dtype = None if op is ReduceOp.MEAN else parts[0].dtype
+    return [np.asarray(ufunc.reduce(p, axis=axes, dtype=dtype, **extra)) for p in parts], count
+
+
+def _extreme(op: ReduceOp, dtype: np.dtype) -> Any:
+    """The identity of MAX (``op`` MAX) or MIN over ``dtype``: its lowest or highest value."""
+    highest = op is ReduceOp.MIN
+    if dtype.kind == "b":
+        return highest
+    if dtype.kind in "iu":
+        limits = np.iinfo(dtype)
+        return limits.max if highest else limits.min
+    return np.inf if highest else -np.inf
 
 
 def _normalise_axis(axis: Any, parts: list) -> tuple[int, ...]:

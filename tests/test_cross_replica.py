@@ -37,6 +37,28 @@ async def test_reduce_with_axis_uses_true_element_count(three):
     assert float(await three.reduce("product", value, axis=[0])) == 720.0
 
 
+async def test_reduce_with_axis_over_an_empty_share(three):
+    """Two rows over three replicas (as experimental_distribute_dataset splits them):
+    MIN and MAX skip the empty share, as TF does (its identity is the dtype's extreme)."""
+    value = aiodist.PerReplica([np.array([[5.0]]), np.array([[1.0]]), np.zeros((0, 1))])
+    np.testing.assert_array_equal(await three.reduce("max", value, axis=0), [5.0])
+    np.testing.assert_array_equal(await three.reduce("min", value, axis=0), [1.0])
+    np.testing.assert_array_equal(await three.reduce("sum", value, axis=0), [6.0])
+    empty = aiodist.PerReplica([np.zeros((0,), np.int16)] * 3)
+    assert int(await three.reduce("max", empty, axis=0)) == np.iinfo(np.int16).min
+    assert float(await three.reduce("min", aiodist.PerReplica([np.zeros(0)] * 3), axis=0)) == np.inf
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int32, np.float32])
+@pytest.mark.parametrize("op", ["sum", "product", "max"])
+async def test_reduce_with_axis_keeps_the_dtype_as_without_it(two, dtype, op):
+    value = aiodist.PerReplica([np.array([1, 2], dtype), np.array([3], dtype)])
+    with_axis = await two.reduce(op, value, axis=0)
+    without = await two.reduce(op, aiodist.PerReplica([np.array(1, dtype), np.array(3, dtype)]))
+    assert with_axis.dtype == without.dtype == np.dtype(dtype)
+    assert with_axis == {"sum": 6, "product": 6, "max": 3}[op]
+
+
 async def test_reduce_with_axis_on_matrices(two):
     value = aiodist.PerReplica([np.ones((2, 3)), 2 * np.ones((4, 3))])
     np.testing.assert_allclose(await two.reduce("sum", value, axis=0), [10.0, 10.0, 10.0])
