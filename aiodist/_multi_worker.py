@@ -511,11 +511,24 @@ class World:
 
     def broadcast_now(self, array: np.ndarray, what: str, timeout: float | None) -> np.ndarray:
         """Worker 0's ``array`` on every worker (synchronous; shapes must agree)."""
-        self.agree_now(what, f"broadcast {array.dtype.str}{array.shape}", timeout)
+        self.agree_now(what, _broadcast_key(array), timeout)
+        buffer, start = self._broadcast_call(array)
+        self._data_now(start, what, timeout)
+        return buffer
+
+    async def broadcast(self, array: np.ndarray, what: str, timeout: float | None) -> np.ndarray:
+        """``broadcast_now`` without blocking the loop."""
+        with self.operation():
+            await self.agree(what, _broadcast_key(array), timeout)
+            buffer, start = self._broadcast_call(array)
+            await self._data(start, what, timeout)
+        return buffer
+
+    def _broadcast_call(self, array: np.ndarray) -> tuple[np.ndarray, Callable[[], Any]]:
+        """(the buffer that receives worker 0's bytes, ``start``: posts the ``Ibcast``)."""
         buffer = np.array(array, order="C", copy=True)
         raw = buffer.reshape(-1).view(np.uint8)
-        self._data_now(lambda: self.comm.Ibcast([raw, self.MPI.BYTE], root=0), what, timeout)
-        return buffer
+        return buffer, lambda: self.comm.Ibcast([raw, self.MPI.BYTE], root=0)
 
     def nccl_unique_id(self, timeout: float | None) -> bytes:
         """Worker 0's new NCCL unique id, on every worker (synchronous)."""
@@ -556,6 +569,10 @@ class World:
         start, finish = self._all_reduce_call(op, buffer, what)
         self._data_now(start, what, timeout)
         return finish()
+
+
+def _broadcast_key(array: np.ndarray) -> str:
+    return f"broadcast {array.dtype.str}{array.shape}"
 
 
 def _travel(buffer: np.ndarray, op: ReduceOp, what: str) -> tuple:

@@ -424,19 +424,19 @@ class MirroredVariable(Variable):
     async def _aggregate_across(self, per_replica: Any) -> Any:
         """The aggregate of every worker's replicas' values (multi-worker strategies)."""
         strategy = self._strategy
-        per_replica = strategy._per_local_replica(per_replica)
+        # Each local replica's value as a host array, as the one-process merge_fn
+        # reads them (a list value arrives as a list of PerReplica leaves).
+        parts = list(strategy.experimental_local_results(per_replica))
+        if len(parts) == 1:  # the same object on every replica
+            parts *= len(strategy._slots)
+        parts = [np.asarray(host_array(p)) for p in parts]
         if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
-            # Global replica 0 is worker 0's first: its value reaches every worker
-            # as a sum in which every other replica adds zeros (a plain array would
-            # count once per local replica).
-            first = np.asarray(host_array(strategy.experimental_local_results(per_replica)[0]))
-            zeros = np.zeros_like(first)
-            parts = [first if strategy._world.rank == 0 else zeros]
-            parts += [zeros] * (len(strategy._slots) - 1)
-            (total,) = await strategy._reduce_across(ReduceOp.SUM, [PerReplica(parts)], None, None)
-            return total
+            # Global replica 0 is worker 0's first: its value, sent to every worker.
+            timeout = strategy._communication_options.timeout_seconds
+            what = f"{self._name}: the first replica's value (ONLY_FIRST_REPLICA)"
+            return await strategy._world.broadcast(parts[0], what, timeout)
         op = ReduceOp.SUM if self._aggregation is VariableAggregation.SUM else ReduceOp.MEAN
-        (total,) = await strategy._reduce_across(op, [per_replica], None, None)
+        (total,) = await strategy._reduce_across(op, [PerReplica(parts)], None, None)
         return total
 
     def _aggregate(self, parts: Sequence[Any]) -> Any:
@@ -499,8 +499,15 @@ class SyncOnReadVariable(Variable):
         return _frozen(total)
 
     def _saved_value(self) -> np.ndarray:
-        if self._aggregation is VariableAggregation.NONE:
-            return host_array(self._values[0])  # TF's rule: the first copy
+        if self._aggregation is VariableAggregation.NONE:  # TF's rule: the first copy,
+            first = host_array(self._values[0])  # global replica 0's: worker 0's first
+            world = self._strategy._world
+            if world is None:
+                return first
+            what = f"saving sync-on-read variable {self._name!r} (its first copy)"
+            return world.broadcast_now(
+                first, what, self._strategy._communication_options.timeout_seconds
+            )
         value = np.asarray(host_array(self._aggregate_copies()))
         if value.dtype != self.dtype:  # the MEAN of integer copies: saved in their dtype
             value = np.rint(value).astype(self.dtype)

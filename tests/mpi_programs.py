@@ -117,18 +117,24 @@ async def compute(strategy: aiodist.Strategy) -> dict:
         counter = aiodist.Variable(np.zeros(()), aggregation="sum", name="counter")
         # Global replica 0's value: counted once however many replicas a worker has.
         first = aiodist.Variable(np.zeros(2), aggregation="only_first_replica", name="first")
+        flag = aiodist.Variable(False, aggregation="only_first_replica", name="flag")  # a bool
+        listed = aiodist.Variable(np.zeros(2), aggregation="sum", name="listed")
 
     async def update():
         rid = aiodist.get_replica_context().replica_id_in_sync_group
         await weights.assign_add(np.array([rid, 1.0]))
         await counter.assign_add(1.0)
         await first.assign_add(np.array([rid + 1.0, 10.0]))
+        await flag.assign(rid == 0)
+        await listed.assign_add([rid + 1.0, 10.0])  # a list: regrouped leaf by leaf
 
     await strategy.run(update)
     await strategy.run(update)
     cross["weights"] = weights.numpy()
     cross["counter"] = counter.numpy()
     cross["first"] = first.numpy()
+    cross["flag"] = flag.numpy()
+    cross["listed"] = listed.numpy()
     cross["on_read"] = await _on_read(strategy)
 
     # Global batches of 7 rows (uneven over the replicas): each replica's rows,
@@ -182,6 +188,19 @@ async def _on_read(strategy: aiodist.Strategy) -> dict:
         out["assigned"] = {k: v.numpy() for k, v in metrics.items()}
         await aiodist.restore_variables(path, metrics)
         out["restored"] = {k: v.numpy() for k, v in metrics.items()}
+    # aggregation=NONE: a checkpoint holds global replica 0's copy, on every worker.
+    with strategy.scope():
+        unaggregated = aiodist.Variable(np.zeros(2), synchronization="on_read", name="none")
+
+    async def mark():
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        await unaggregated.assign(np.array([rid + 1.0, 1.0]))
+
+    await strategy.run(mark)
+    with tempfile.TemporaryDirectory() as folder:
+        path = await aiodist.save_variables(os.path.join(folder, "n.npz"), {"none": unaggregated})
+        with np.load(path) as saved:
+            out["saved_none"] = saved["none"]
     return out
 
 
