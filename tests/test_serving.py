@@ -151,17 +151,23 @@ async def test_stop_finishes_in_flight_then_refuses(two):
         await batcher.submit(np.ones((1, 4)))
 
 
-async def test_stop_deadline_cancels_what_is_left(two):
+async def _stuck_batch(strategy) -> tuple[Batcher, asyncio.Task]:
+    """A started batcher whose one batch (the returned caller's) never finishes."""
     entered = []
 
     async def never(rows):
         entered.append(True)
         await asyncio.Event().wait()
 
-    batcher = Batcher(two, never, max_wait_seconds=0)
+    batcher = Batcher(strategy, never, max_wait_seconds=0)
     await batcher.start()
     stuck = asyncio.create_task(batcher.submit(np.ones((1, 1))))
     await wait_until(lambda: entered, "batch started")
+    return batcher, stuck
+
+
+async def test_stop_deadline_cancels_what_is_left(two):
+    batcher, stuck = await _stuck_batch(two)
     await batcher.stop(deadline=0.05)
     with pytest.raises(NotServing, match=r"stopped before this request's batch finished"):
         await stuck  # its batch was cancelled at the deadline: answered, not left hanging
@@ -229,16 +235,7 @@ async def test_a_second_start_waits_for_the_first(two):
 
 
 async def test_a_cancelled_stop_still_stops_and_the_batcher_can_start_again(two):
-    entered = []
-
-    async def never(rows):
-        entered.append(True)
-        await asyncio.Event().wait()
-
-    batcher = Batcher(two, never, max_wait_seconds=0)
-    await batcher.start()
-    stuck = asyncio.create_task(batcher.submit(np.ones((1, 1))))
-    await wait_until(lambda: entered, "batch started")
+    batcher, stuck = await _stuck_batch(two)
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(0.05):
             await batcher.stop(deadline=10)
