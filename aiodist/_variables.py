@@ -406,10 +406,7 @@ class MirroredVariable(Variable):
             )
 
         def merge_fn(strategy: Any, per_replica: Any) -> None:
-            parts = list(strategy.experimental_local_results(per_replica))
-            if len(parts) == 1:  # the same object on every replica
-                parts *= len(strategy._slots)
-            self._write_every_copy(kind, self._aggregate(parts))
+            self._write_every_copy(kind, self._aggregate(_replica_values(strategy, per_replica)))
 
         if self._strategy._world is not None:  # across workers: aggregate globally
 
@@ -424,12 +421,7 @@ class MirroredVariable(Variable):
     async def _aggregate_across(self, per_replica: Any) -> Any:
         """The aggregate of every worker's replicas' values (multi-worker strategies)."""
         strategy = self._strategy
-        # Each local replica's value as a host array, as the one-process merge_fn
-        # reads them (a list value arrives as a list of PerReplica leaves).
-        parts = list(strategy.experimental_local_results(per_replica))
-        if len(parts) == 1:  # the same object on every replica
-            parts *= len(strategy._slots)
-        parts = [np.asarray(host_array(p)) for p in parts]
+        parts = [np.asarray(host_array(p)) for p in _replica_values(strategy, per_replica)]
         if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             # Global replica 0 is worker 0's first: its value, sent to every worker.
             timeout = strategy._communication_options.timeout_seconds
@@ -446,6 +438,15 @@ class MirroredVariable(Variable):
         ops = self._strategy.extended._cross_device_ops
         arrays = [np.asarray(host_array(p)) for p in parts]
         return host_array(ops._reduce_arrays(op, arrays, _HOST))
+
+
+def _replica_values(strategy: Any, per_replica: Any) -> list:
+    """Each local replica's value in a merge_fn's regrouped argument (a list value
+    arrives as a list of PerReplica leaves; one object stands for every replica)."""
+    parts = list(strategy.experimental_local_results(per_replica))
+    if len(parts) == 1:
+        parts *= len(strategy._slots)
+    return parts
 
 
 class SyncOnReadVariable(Variable):
@@ -499,8 +500,9 @@ class SyncOnReadVariable(Variable):
         return _frozen(total)
 
     def _saved_value(self) -> np.ndarray:
-        if self._aggregation is VariableAggregation.NONE:  # TF's rule: the first copy,
-            first = host_array(self._values[0])  # global replica 0's: worker 0's first
+        if self._aggregation is VariableAggregation.NONE:
+            # TF's rule: the first copy, global replica 0's (worker 0's first).
+            first = host_array(self._values[0])
             world = self._strategy._world
             if world is None:
                 return first
