@@ -195,7 +195,9 @@ async def test_stop_answers_batches_cancelled_before_they_started(two):
     await batcher.stop()
 
 
-async def test_stop_during_warm_up_keeps_the_batcher_stopped(two):
+async def _warming_up(strategy, **options) -> tuple[Batcher, asyncio.Task, asyncio.Event]:
+    """A batcher whose start() is in its warm-up run until the returned event is set
+    (its step returns its rows)."""
     warming, release = asyncio.Event(), asyncio.Event()
 
     async def slow(rows):
@@ -203,9 +205,14 @@ async def test_stop_during_warm_up_keeps_the_batcher_stopped(two):
         await release.wait()
         return rows
 
-    batcher = Batcher(two, slow)
+    batcher = Batcher(strategy, slow, **options)
     starting = asyncio.create_task(batcher.start(np.ones((2, 1))))
     await warming.wait()
+    return batcher, starting, release
+
+
+async def test_stop_during_warm_up_keeps_the_batcher_stopped(two):
+    batcher, starting, release = await _warming_up(two)
     await batcher.stop()
     release.set()
     await starting
@@ -215,16 +222,7 @@ async def test_stop_during_warm_up_keeps_the_batcher_stopped(two):
 
 
 async def test_a_second_start_waits_for_the_first(two):
-    warming, release = asyncio.Event(), asyncio.Event()
-
-    async def slow(rows):
-        warming.set()
-        await release.wait()
-        return rows
-
-    batcher = Batcher(two, slow, max_wait_seconds=0)
-    first = asyncio.create_task(batcher.start(np.ones((2, 1))))
-    await warming.wait()
+    batcher, first, release = await _warming_up(two, max_wait_seconds=0)
     second = asyncio.create_task(batcher.start())
     await asyncio.sleep(0.01)
     assert not second.done()  # waits for the warm-up instead of returning unready
