@@ -172,7 +172,10 @@ class Batcher:
         if self._starting is not None:  # another start() is warming up: wait for it
             await asyncio.shield(self._starting)
             if self._loop_task is None:
-                raise NotServing("the batcher did not start (its warm-up failed, or stop() ran).")
+                raise NotServing(
+                    "the batcher did not start (its warm-up failed, or stop() ran during "
+                    "it); call start() again to serve."
+                )
             return
         self._starting = starting = asyncio.get_running_loop().create_future()
         self._stop_requested = False
