@@ -232,6 +232,25 @@ async def test_a_second_start_waits_for_the_first(two):
     await batcher.stop()
 
 
+async def test_a_second_start_raises_when_the_first_fails(two):
+    warming, release = asyncio.Event(), asyncio.Event()
+
+    async def broken(rows):
+        warming.set()
+        await release.wait()
+        raise RuntimeError("warm-up failed")
+
+    batcher = Batcher(two, broken)
+    first = asyncio.create_task(batcher.start(np.ones((2, 1))))
+    await warming.wait()
+    second = asyncio.create_task(batcher.start())
+    release.set()
+    with pytest.raises(RuntimeError, match="warm-up failed"):
+        await first
+    with pytest.raises(NotServing, match=r"did not start .*; call start\(\) again"):
+        await second
+
+
 async def test_a_cancelled_stop_still_stops_and_the_batcher_can_start_again(two):
     batcher, stuck = await _stuck_batch(two)
     with pytest.raises(TimeoutError):
