@@ -17,7 +17,10 @@ mirrored variable is a rendezvous (a ``merge_call``): every replica's ``x`` is
 aggregated by ``v.aggregation`` and the same update is applied to every copy,
 so the copies never drift; ``aggregation=NONE`` there raises ``ValueError``, as
 TensorFlow documents. In cross-replica context the one value given is written
-to every copy.
+to every copy, or each copy gets its own component of a ``Mirrored`` value (such
+as ``extended.reduce_to(..., destinations=v)`` returns); a ``PerReplica`` value
+is refused there, since the copies must stay equal (``extended.update`` writes
+each copy its own component).
 
 Copies are immutable arrays: an update replaces them, so a value read earlier
 never changes under the reader, and an update is applied between two awaits,
@@ -42,7 +45,7 @@ from ._devices import Device
 from ._errors import ContextError, InvalidArgumentError
 from ._ops import ReduceOp
 from ._replica_context import _keywords, _positional
-from ._values import DistributedValues, Mirrored, PerReplica, select_replica
+from ._values import DistributedValues, Mirrored, PerReplica, _component, select_replica
 
 __all__ = [
     "MirroredVariable",
@@ -371,12 +374,30 @@ class Variable:
         return self
 
     def _write_every_copy(self, kind: str, value: Any) -> None:
+        self._write_copies(kind, self._per_copy(kind, value))
+
+    def _write_copies(self, kind: str, parts: list) -> None:
         new = []
-        host = host_array(value)  # once: a GPU value is copied to the host once, not per copy
-        for device, old in zip(self._devices, self._values, strict=True):
-            placed = backend_for(device).asarray(host, device)
+        for device, old, part in zip(self._devices, self._values, parts, strict=True):
+            placed = backend_for(device).asarray(part, device)
             new.append(_update_value(kind, old, placed, f"{self._name}.{kind}"))
         self._values[:] = new  # all copies change together, or none does
+
+    def _per_copy(self, kind: str, value: Any) -> list:
+        """What a cross-replica write gives each copy: a ``Mirrored`` value's own
+        component (as TF allows), otherwise the one value, copied to the host once."""
+        if isinstance(value, Mirrored):
+            n = len(self._values)
+            return [host_array(_component(value, i, n)) for i in range(n)]
+        if isinstance(value, DistributedValues):
+            raise InvalidArgumentError(
+                f"{self._name}.{kind}() in cross-replica context got a "
+                f"{type(value).__name__}; expected one value or a Mirrored one (the "
+                "copies must stay equal). To give each copy its own component, use "
+                "strategy.extended.update(variable, fn, args=(value,)), or write in "
+                "replica context."
+            )
+        return [host_array(value)] * len(self._values)
 
     def _saved_value(self) -> np.ndarray:
         """What a checkpoint stores: the value read in cross-replica context."""
@@ -539,7 +560,7 @@ class SyncOnReadVariable(Variable):
         if index is not None:
             VariableCopy(self, index)._write(kind, value)
             return self
-        n = self._strategy.num_replicas_in_sync  # every worker's copies
+        parts = self._per_copy(kind, value)
         if self._aggregation is VariableAggregation.SUM:
             if kind != "assign":
                 raise InvalidArgumentError(
@@ -550,10 +571,11 @@ class SyncOnReadVariable(Variable):
             if self.dtype.kind not in "fc":
                 # TF divides by the replica count, which integers cannot hold exactly:
                 # put the whole value on the first copy instead (the SUM is the same).
-                self._assign_to_first_copy(value)
+                self._assign_to_first_copy(parts[0])
                 return self
-            value = np.asarray(host_array(value)) / n  # TF's rule: the SUM read gives `value`
-        self._write_every_copy(kind, value)
+            n = self._strategy.num_replicas_in_sync  # every worker's copies
+            parts = [np.asarray(part) / n for part in parts]  # TF's rule: the SUM read gives it
+        self._write_copies(kind, parts)
         return self
 
 

@@ -127,6 +127,40 @@ async def test_cross_replica_writes_every_copy(strategy):
         np.testing.assert_array_equal(copy, [4, 5])  # failed writes change nothing
 
 
+async def test_cross_replica_writes_take_a_mirrored_value_per_copy(strategy, num_replicas):
+    """TF's rule: in cross-replica context a variable takes one value or a Mirrored one
+    (reduce_to(..., destinations=v) gives exactly that); a PerReplica one is refused."""
+    with strategy.scope():
+        v = aiodist.Variable(np.zeros(2), aggregation="sum")
+        total = aiodist.Variable(np.zeros(2), aggregation="sum", synchronization="on_read")
+        count = aiodist.Variable(0, aggregation="sum", synchronization="on_read")
+    per_replica = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.array([ctx.replica_id_in_sync_group + 1.0, 1.0])
+    )
+    reduced = await strategy.extended.reduce_to("sum", per_replica, v)
+    expected = [num_replicas * (num_replicas + 1) / 2, num_replicas]
+    await v.assign(reduced)
+    await v.assign_add(reduced)
+    for copy in copies(strategy, v):
+        np.testing.assert_array_equal(copy, np.multiply(expected, 2))
+    await total.assign(reduced)  # SUM: each copy gets its component / n
+    np.testing.assert_allclose(np.asarray(total), expected)
+    await count.assign(
+        await strategy.extended.reduce_to("sum", aiodist.PerReplica([3] * num_replicas), v)
+    )
+    assert int(np.asarray(count)) == 3 * num_replicas
+
+    if num_replicas > 1:  # with one replica a PerReplica is a plain value
+        for variable in (v, total):
+            with pytest.raises(
+                ValueError,
+                match=r"assign\(\) in cross-replica context got a PerReplica.*extended\.update",
+            ):
+                await variable.assign(per_replica)
+        for copy in copies(strategy, v):
+            np.testing.assert_array_equal(copy, np.multiply(expected, 2))  # unchanged
+
+
 async def test_reads_are_snapshots(two):
     with two.scope():
         v = aiodist.Variable([1.0])
