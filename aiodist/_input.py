@@ -17,6 +17,13 @@ producer holds no reference to the iterator, so leaving an ``async for`` early
 (``break``) drops the iterator, which cancels the producer and closes the
 source; ``aclose()`` or ``async with`` do the same explicitly. Exceptions from
 the user's dataset reach the ``async for`` unchanged.
+
+A batch handed out never changes under its user, even when the source refills
+one buffer for every element (as data loaders do): while prefetching, or when
+replicas take consecutive elements of one source, shards that would still share
+the source's memory are copied (as tf.data copies elements into new tensors).
+A plain ``for`` over ``experimental_distribute_dataset`` fetches nothing ahead,
+so its CPU shards are views of the source's batch, copied by nobody.
 """
 
 from __future__ import annotations
@@ -29,7 +36,10 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from . import _nest, _trace
+from ._backends import is_cupy_array
 from ._checks import member, options_or_default, whole_number
 from ._errors import InvalidArgumentError
 from ._values import regroup
@@ -133,8 +143,6 @@ class InputContext:
 
 
 def _leaf_arrays(element: object, where: str) -> list:
-    import numpy as np
-
     arrays = []
     for leaf in _nest.flatten(element):
         array = leaf if hasattr(leaf, "shape") and hasattr(leaf, "dtype") else np.asarray(leaf)
@@ -333,7 +341,7 @@ class DistributedIterator:
             dataset = self._dataset  # the pipeline must not reference this iterator
             source = dataset._open()
             self._pipeline = _Pipeline(
-                lambda: dataset._next(source),
+                lambda: dataset._next(source, prefetching=True),
                 source.aclose,
                 dataset._options.experimental_per_replica_buffer_size,
             )
@@ -410,13 +418,19 @@ class DistributedDataset:
             return _Sources([_Source(it, self._where) for it in self._source_iterable])
         return _Source(self._source_iterable, self._where)
 
-    async def _next(self, source: Any) -> tuple[bool, Any]:
+    async def _next(self, source: Any, prefetching: bool = False) -> tuple[bool, Any]:
+        """The next ``PerReplica`` batch. While a batch is in use the source may make
+        its next element (``prefetching``, or replicas taking consecutive elements of
+        one source), and a source may refill one buffer for every element, as data
+        loaders do: then the shards are detached from the source's memory."""
         if isinstance(source, _Sources):
             more, shards = await source.next_shards(len(self._slots))
+            detach = prefetching and not source.consecutive  # those are copies already
         else:
             more, element = await source.next()
             shards = _local_shards(self._strategy, element) if more else None
-        return (True, self._place(shards)) if more else (False, None)
+            detach = prefetching
+        return (True, self._place(shards, detach)) if more else (False, None)
 
     def _next_sync(self, source: Any) -> Any:
         coro = self._next(source)
@@ -431,14 +445,38 @@ class DistributedDataset:
             raise StopIteration
         return value
 
-    def _place(self, shards: list) -> Any:
-        if self._options.experimental_fetch_to_device:
+    def _place(self, shards: list, detach: bool) -> Any:
+        to_device = self._options.experimental_fetch_to_device
+        if to_device or detach:
             shards = [
-                _nest.map_structure(lambda a, s=slot: s.backend.asarray(a, s.device), shard)
+                _nest.map_structure(lambda a, s=slot: _placed(a, s, to_device, detach), shard)
                 for slot, shard in zip(self._slots, shards, strict=True)
             ]
         # One shard is returned as it is (regroup of a single value).
         return regroup(shards, tuple(slot.device for slot in self._slots), what="yielded")
+
+
+def _placed(array: Any, slot: ReplicaSlot, to_device: bool, detach: bool) -> Any:
+    """One leaf of a shard, on the slot's device if ``to_device``; with ``detach``,
+    a copy where it would still share the source's memory (the same object, or a
+    view of it: a slice of the global batch). A transfer to a GPU is a copy
+    already. tf.data, too, copies every element into new tensors."""
+    placed = slot.backend.asarray(array, slot.device) if to_device else array
+    if not detach or not (isinstance(placed, np.ndarray) or is_cupy_array(placed)):
+        return placed
+    if placed is array or placed.base is not None:
+        with slot.backend.on_device(slot.device):
+            placed = placed.copy()
+    return placed
+
+
+def _copy_of_array(leaf: Any) -> Any:
+    if isinstance(leaf, np.ndarray):
+        return leaf.copy()
+    if is_cupy_array(leaf):
+        with leaf.device:  # CuPy copies onto the current device otherwise
+            return leaf.copy()
+    return leaf
 
 
 class _Sources:
@@ -446,6 +484,9 @@ class _Sources:
 
     def __init__(self, sources: list[_Source]):
         self._sources = sources
+        # PER_WORKER: the replicas' shards are consecutive elements of one source,
+        # copied as they are fetched (next_shards).
+        self.consecutive = len(sources) == 1
 
     @property
     def is_async(self) -> bool:
@@ -458,7 +499,8 @@ class _Sources:
                 more, element = await self._sources[0].next()
                 if not more:
                     break
-                shards.append(element)
+                # Copied before the next element is made: the source may refill one buffer.
+                shards.append(_nest.map_structure(_copy_of_array, element))
         else:  # PER_REPLICA: one element from each replica's own source
             shards = []
             for source in self._sources:

@@ -210,6 +210,51 @@ async def test_fetch_to_device_false_keeps_host_arrays(two):
         assert all(isinstance(s, np.ndarray) for s in shards(two, b))
 
 
+class Refilled:
+    """A loader that refills one buffer for every element, as data loaders often do."""
+
+    def __init__(self, count: int, rows: int):
+        self.count, self.rows = count, rows
+
+    def __iter__(self):
+        buffer = np.zeros((self.rows, 1))
+        for i in range(self.count):
+            buffer[:] = i
+            yield buffer
+
+
+@pytest.mark.parametrize("to_device", [True, False], ids=["fetch_to_device", "host"])
+async def test_prefetched_batches_survive_a_source_refilling_its_buffer(
+    strategy, num_replicas, to_device
+):
+    """Prefetching fetches the next element while the consumer still uses this one."""
+    options = aiodist.InputOptions(experimental_fetch_to_device=to_device)
+    dataset = strategy.experimental_distribute_dataset(Refilled(4, 2 * num_replicas), options)
+    seen = []
+    async for batch in dataset:
+        await strategy.run(lambda x: x, args=(batch,))  # the producer runs meanwhile
+        seen.append([float(s[0, 0]) for s in shards(strategy, batch)])
+    assert seen == [[float(i)] * num_replicas for i in range(4)]
+
+
+@pytest.mark.parametrize("mode", ["PER_WORKER", "PER_REPLICA"])
+async def test_from_function_shards_survive_a_source_refilling_its_buffer(three, mode):
+    """PER_WORKER replicas take consecutive elements of one source, so even a plain
+    ``for`` holds one element while the next is made; PER_REPLICA prefetches."""
+    options = aiodist.InputOptions(experimental_replication_mode=mode)
+    dataset = three.distribute_datasets_from_function(lambda ctx: Refilled(6, 2), options)
+    if mode == "PER_WORKER":
+        expected = [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+        assert [[float(s[0, 0]) for s in shards(three, b)] for b in dataset] == expected
+    else:
+        expected = [[float(i)] * 3 for i in range(6)]
+    seen = []
+    async for batch in dataset:
+        await three.run(lambda x: x, args=(batch,))
+        seen.append([float(s[0, 0]) for s in shards(three, batch)])
+    assert seen == expected
+
+
 # -- distribute_datasets_from_function ------------------------------------------------
 
 
