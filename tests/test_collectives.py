@@ -395,6 +395,24 @@ async def test_all_gather_negative_axis_and_nested(two):
         np.testing.assert_array_equal(b, [0, 1, 2, 10, 11, 12])
 
 
+async def test_all_gather_axis_may_be_named_from_either_end(three):
+    """axis=-1 and axis=1 are the same axis of a rank-2 value: replicas may differ."""
+
+    async def fn():
+        r = rid()
+        axis = [-1, 1, -1][r]
+        return await aiodist.get_replica_context().all_gather(np.full((2, r + 1), r), axis)
+
+    for v in local(three, await three.run(fn)):
+        np.testing.assert_array_equal(v, [[0, 1, 1, 2, 2, 2]] * 2)
+
+    async def different_axes():
+        return await aiodist.get_replica_context().all_gather(np.ones((2, 2)), axis=rid() % 2)
+
+    with pytest.raises(aiodist.CollectiveMismatchError, match=r"all_gather\(axis=1"):
+        await three.run(different_axes)
+
+
 async def test_all_gather_rejects_rank0_and_bad_axis(two):
     async def rank0():
         return await aiodist.get_replica_context().all_gather(np.float32(1), axis=0)
