@@ -51,6 +51,7 @@ from ._variables import (
     Variable,
     VariableAggregation,
     VariableCopy,
+    VariableRef,
     VariableSynchronization,
 )
 
@@ -93,6 +94,7 @@ __all__ = [
     "Variable",
     "VariableAggregation",
     "VariableCopy",
+    "VariableRef",
     "VariableSynchronization",
     "canonical_device",
     "experimental_set_strategy",

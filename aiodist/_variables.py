@@ -22,6 +22,10 @@ as ``extended.reduce_to(..., destinations=v)`` returns); a ``PerReplica`` value
 is refused there, since the copies must stay equal (``extended.update`` writes
 each copy its own component).
 
+Operators (``v + 1``, ``v < x``, ``v == x``, ...) act on the value read,
+element-wise, as TF's do; so variables are unhashable, and ``v.ref()`` is what
+to use as a dict key.
+
 Copies are immutable arrays: an update replaces them, so a value read earlier
 never changes under the reader, and an update is applied between two awaits,
 never half-way (concurrent runs do not lose updates).
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import enum
 import inspect
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -104,6 +109,47 @@ def _update_value(kind: str, old: Any, value: Any, where: str) -> Any:
             f"dtype {old.dtype}; cast it first."
         )
     return _frozen(value.astype(old.dtype, copy=True))
+
+
+def _unary(op: Callable[[Any], Any]) -> Callable[[Variable], Any]:
+    def method(self: Variable) -> Any:
+        return op(self.read_value())
+
+    return method
+
+
+def _binary(op: Callable[[Any, Any], Any]) -> tuple[Callable, Callable]:
+    """``op`` with the variable's value on the left, and with it on the right."""
+
+    def method(self: Variable, other: Any) -> Any:
+        return op(self.read_value(), other)
+
+    def reflected(self: Variable, other: Any) -> Any:
+        return op(other, self.read_value())
+
+    return method, reflected
+
+
+class VariableRef:
+    """What ``Variable.ref()`` returns: hashable and equal by the variable's identity."""
+
+    __slots__ = ("_variable",)
+
+    def __init__(self, variable: Variable):
+        self._variable = variable
+
+    def deref(self) -> Variable:
+        """The variable referred to."""
+        return self._variable
+
+    def __hash__(self) -> int:
+        return id(self._variable)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, VariableRef) and other._variable is self._variable
+
+    def __repr__(self) -> str:
+        return f"<VariableRef to {self._variable._name!r}>"
 
 
 class VariableCopy:
@@ -320,38 +366,30 @@ class Variable:
     def __getitem__(self, index: Any) -> Any:
         return self.read_value()[index]
 
-    def __neg__(self) -> Any:
-        return -self.read_value()
+    def __bool__(self) -> bool:
+        return bool(self.read_value())  # NumPy's rule: only a one-element value has a truth
 
-    def __add__(self, other: Any) -> Any:
-        return self.read_value() + other
+    def ref(self) -> VariableRef:
+        """A hashable reference to this variable, for dict keys and sets: variables
+        compare element-wise (``v == x`` is an array), so they are unhashable, as in TF."""
+        return VariableRef(self)
 
-    def __radd__(self, other: Any) -> Any:
-        return other + self.read_value()
-
-    def __sub__(self, other: Any) -> Any:
-        return self.read_value() - other
-
-    def __rsub__(self, other: Any) -> Any:
-        return other - self.read_value()
-
-    def __mul__(self, other: Any) -> Any:
-        return self.read_value() * other
-
-    def __rmul__(self, other: Any) -> Any:
-        return other * self.read_value()
-
-    def __truediv__(self, other: Any) -> Any:
-        return self.read_value() / other
-
-    def __rtruediv__(self, other: Any) -> Any:
-        return other / self.read_value()
-
-    def __matmul__(self, other: Any) -> Any:
-        return self.read_value() @ other
-
-    def __rmatmul__(self, other: Any) -> Any:
-        return other @ self.read_value()
+    # Arithmetic and comparisons act on read_value(), element-wise, as TF's do.
+    __neg__ = _unary(operator.neg)
+    __abs__ = _unary(operator.abs)
+    __add__, __radd__ = _binary(operator.add)
+    __sub__, __rsub__ = _binary(operator.sub)
+    __mul__, __rmul__ = _binary(operator.mul)
+    __truediv__, __rtruediv__ = _binary(operator.truediv)
+    __floordiv__, __rfloordiv__ = _binary(operator.floordiv)
+    __mod__, __rmod__ = _binary(operator.mod)
+    __pow__, __rpow__ = _binary(operator.pow)
+    __matmul__, __rmatmul__ = _binary(operator.matmul)
+    __lt__, __gt__ = _binary(operator.lt)  # 1 < v is v > 1
+    __le__, __ge__ = _binary(operator.le)
+    __eq__ = _binary(operator.eq)[0]
+    __ne__ = _binary(operator.ne)[0]
+    __hash__ = None  # type: ignore[assignment]
 
     __array_priority__ = 100  # ndarray op variable defers to the reflected methods
 

@@ -161,6 +161,36 @@ async def test_cross_replica_writes_take_a_mirrored_value_per_copy(strategy, num
             np.testing.assert_array_equal(copy, np.multiply(expected, 2))  # unchanged
 
 
+async def test_operators_act_element_wise_on_the_value_as_in_tf(two):
+    with two.scope():
+        v = aiodist.Variable(0.0)
+        w = aiodist.Variable([1.0, 4.0])
+    assert not v and (v == 0) and (v < 1) and (v <= 0) and (v >= 0)
+    assert [v != 0, 1 > v, -1 < v] == [False, True, True]  # noqa: SIM300 (the reflected forms)
+    np.testing.assert_array_equal(w == 4, [False, True])
+    np.testing.assert_array_equal(np.ones(2) == w, [True, False])
+    np.testing.assert_array_equal(w > 2, [False, True])
+    np.testing.assert_array_equal(w**2, [1, 16])
+    np.testing.assert_array_equal(2**w, [2, 16])
+    np.testing.assert_array_equal(abs(w - 3), [2, 1])
+    np.testing.assert_array_equal(w // 3, [0, 1])
+    np.testing.assert_array_equal(9 % w, [0, 1])
+    with pytest.raises(ValueError, match="ambiguous"):
+        bool(w)  # NumPy's (and TF's) rule for a value of several elements
+    with pytest.raises(TypeError, match="unhashable"):
+        {w}  # noqa: B018
+    refs = {v.ref(): "v", w.ref(): "w"}
+    assert refs[w.ref()] == "w" and w.ref().deref() is w and v.ref() != w.ref()
+
+    async def fn(var):  # in a replica: the replica's own copy
+        return np.asarray(var < rid())
+
+    assert [bool(r) for r in two.experimental_local_results(await two.run(fn, args=(v,)))] == [
+        False,
+        True,
+    ]
+
+
 async def test_reads_are_snapshots(two):
     with two.scope():
         v = aiodist.Variable([1.0])
