@@ -383,8 +383,14 @@ class Batcher:
         # This process's replicas (under MultiWorkerMirroredStrategy every worker
         # batches its own requests, not a share of a global batch).
         strategy = self.strategy
-        shards = split_batch(rows, len(strategy._slots))
-        inputs = regroup(shards, strategy._devices)
+        slots = strategy._slots
+        shards = split_batch(rows, len(slots))
+        # Each share on its replica's device, as distributed datasets place batches
+        # (on CPU devices, the rows themselves).
+        placed = [
+            slot.backend.asarray(s, slot.device) for slot, s in zip(slots, shards, strict=True)
+        ]
+        inputs = regroup(placed, strategy._devices)
         result = await self.strategy.run(self.step_fn, args=(inputs,))
         parts = [host_array(part) for part in self.strategy.experimental_local_results(result)]
         if len(parts) == 1 and len(shards) > 1:  # the same object from every replica

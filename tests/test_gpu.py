@@ -221,6 +221,26 @@ async def test_reduce_and_gather_come_back_as_host_arrays():
     np.testing.assert_array_equal(gathered, [0, 1, 2, 0, 2, 4])
 
 
+async def test_a_batcher_hands_gpu_replicas_their_rows_on_the_gpu():
+    from aiodist.serving import Batcher
+
+    strategy = _shared(2)
+    seen = []
+
+    async def forward(rows):
+        seen.append(type(rows))
+        return rows * 2
+
+    batcher = Batcher(strategy, forward, max_batch_size=8, max_wait_seconds=0.001)
+    await batcher.start(warmup_rows=np.zeros((2, 3)))
+    answers = await asyncio.gather(*(batcher.submit(np.full((1, 3), float(i))) for i in range(4)))
+    await batcher.stop()
+    assert set(seen) == {cupy.ndarray}
+    for i, answer in enumerate(answers):
+        assert isinstance(answer, np.ndarray)
+        np.testing.assert_array_equal(answer, np.full((1, 3), 2.0 * i))
+
+
 async def test_a_slow_kernel_before_an_all_reduce_still_gives_the_right_result():
     """Replica 0's input is written by a ~200 ms kernel on its stream; without
     event ordering the reduction would read the zeros that were there before."""
