@@ -308,8 +308,9 @@ class ReplicaContext:
             shapes.append(tuple(-1 if i == along else n for i, n in enumerate(array.shape)))
         dtypes = [a.dtype for a in arrays]
         # The gathered axis is in the shapes (as -1), so axis=-1 and axis=1 of a rank-2
-        # value match; for an empty structure the axis changes nothing.
-        key = (skeleton, tuple(zip(dtypes, shapes, strict=True)))
+        # value match; for an empty structure the axis changes nothing. The skeleton
+        # is at index 1, as in all_reduce's key (RunGroup._collective reads it there).
+        key = (None, skeleton, tuple(zip(dtypes, shapes, strict=True)))
         signature = Signature(
             "all_gather", key, lambda: f"all_gather(axis={axis}, {structure_text(value, arrays)})"
         )  # not a hot path: the readable constructor

@@ -550,7 +550,7 @@ class RunGroup:
             out = ops._all_reduce_laid_out(first.op, arrays, devices, options, streams, layout)
         else:
             out = ops._all_gather_flat(arrays, first.axis, devices, options, streams)
-        return self._per_replica(payloads, out, signature.key[1])
+        return self._per_replica(payloads, out, signature.key[1])  # both keys' skeleton
 
     @staticmethod
     def _per_replica(payloads: list, out: list[list], skeleton: object = None) -> list:

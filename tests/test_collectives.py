@@ -395,6 +395,20 @@ async def test_all_gather_negative_axis_and_nested(two):
         np.testing.assert_array_equal(b, [0, 1, 2, 10, 11, 12])
 
 
+@pytest.mark.parametrize("make", [list, tuple], ids=["list", "tuple"])
+@pytest.mark.parametrize("count", [0, 1, 2])
+async def test_all_gather_of_short_flat_sequences(two, make, count):
+    async def fn():
+        values = make(np.full(2, rid() * 10 + i) for i in range(count))
+        return await aiodist.get_replica_context().all_gather(values, axis=0)
+
+    result = await two.run(fn)
+    assert type(result) is make and len(result) == count
+    for i, leaf in enumerate(result):
+        for v in local(two, leaf):
+            np.testing.assert_array_equal(v, [i, i, 10 + i, 10 + i])
+
+
 async def test_all_gather_axis_may_be_named_from_either_end(three):
     """axis=-1 and axis=1 are the same axis of a rank-2 value: replicas may differ."""
 
