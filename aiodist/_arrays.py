@@ -19,6 +19,7 @@ __all__ = [
     "gather_axis",
     "leaf_text",
     "mean_of_sum",
+    "mean_operand",
     "structure_text",
 ]
 
@@ -58,6 +59,12 @@ def check_reducible(op: ReduceOp, array: Any, where: str) -> None:
         "numeric arrays or scalars (integers, floats, complex; bool only with MIN/MAX). "
         "Convert the value first, e.g. x.astype(np.int32)."
     )
+
+
+def mean_operand(array: Any) -> Any:
+    """``array`` as MEAN sums it: integers as float64, as NumPy's mean does (an int8
+    sum would wrap at 127 before the division); anything else as it is."""
+    return array.astype("float64") if array.dtype.kind in "iu" else array
 
 
 def mean_of_sum(xp: Any, total: Any, count: int) -> Any:

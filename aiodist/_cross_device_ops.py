@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from . import _context
-from ._arrays import check_reducible, gather_axis, leaf_text, mean_of_sum
+from ._arrays import check_reducible, gather_axis, leaf_text, mean_of_sum, mean_operand
 from ._backends import backend_for, cpu_backend, is_cupy_array
 from ._checks import whole_number
 from ._devices import HOST, Device, parse_device
@@ -529,6 +529,9 @@ class ReductionToOneDevice(CrossDeviceOps):
             values = arrays
         else:
             values = [backend.asarray(array, target) for array in arrays]
+        if op.divides_by_count and values[0].dtype.kind in "iu":
+            with backend.on_device(target):
+                values = [mean_operand(value) for value in values]
         if self.accumulation_fn is not None and op in (ReduceOp.SUM, ReduceOp.MEAN):
             with backend.on_device(target):
                 total = backend.asarray(self.accumulation_fn(values), target)

@@ -440,6 +440,8 @@ _COMPLEX_AS = {"complex64": "float32", "complex128": "float64"}
 def travel_dtype(op: ReduceOp, dtype: np.dtype) -> np.dtype:
     """The dtype a leaf of ``dtype`` is all-reduced as by NCCL."""
     name = dtype.name
+    if op is ReduceOp.MEAN and dtype.kind in "iu":
+        return np.dtype("float64")  # summed as float64, as NumPy's mean (and the CPU path)
     if name in _NCCL_NAMES:
         return dtype
     if name in _WIDENED:
@@ -575,12 +577,9 @@ def _unpack(
         offset += size
         if leaf.dtype.kind == "c":
             piece = piece.view(leaf.dtype)
-        elif piece.dtype != leaf.dtype:
-            piece = piece.astype(leaf.dtype)
-        piece = piece.reshape(leaf.shape)
-        if op is ReduceOp.MEAN and travel.kind not in "fc":
-            piece = cupy.true_divide(piece, n)  # integers: a float mean, as on CPU
-        out[index] = piece
+        elif piece.dtype != leaf.dtype and not (op is ReduceOp.MEAN and leaf.dtype.kind in "iu"):
+            piece = piece.astype(leaf.dtype)  # (the MEAN of integers stays float64)
+        out[index] = piece.reshape(leaf.shape)
 
 
 def all_gather(

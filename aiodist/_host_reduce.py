@@ -195,7 +195,7 @@ _SCALAR_OPERATORS = {np.add: operator.add, np.multiply: operator.mul}
 def combine_scalars(ufunc: Any, values: Any, mean: bool = False) -> np.ndarray:
     """``ufunc`` across 0-d ``values`` (NumPy scalars or 0-d arrays of one dtype),
     value by value in order, as a new 0-d array; ``mean``: then divided by their
-    count, as ``mean_of_sum`` divides (integers give float64).
+    count (integers are summed and divided as float64, as NumPy's mean does).
 
     Value by value, not one ``ufunc.reduce`` over the list: from 8 values on that
     adds in partial sums, so a scalar would not reduce as the one-element array of
@@ -203,6 +203,9 @@ def combine_scalars(ufunc: Any, values: Any, mean: bool = False) -> np.ndarray:
     """
     first = values[0]
     inexact = isinstance(first, np.inexact)
+    if mean and not inexact:  # summed as float64, as NumPy's mean: int8 100 + 100 is 200
+        values = [np.float64(v) for v in values]
+        first, inexact = None, True
     # (functools.reduce: the loop in C.) A ufunc returns a new scalar for 0-d inputs,
     # so no out=; one value comes back as it is.
     total = reduce((inexact and _SCALAR_OPERATORS.get(ufunc)) or ufunc, values)

@@ -613,7 +613,7 @@ def local_devices(devices_per_worker: Any) -> tuple[Device, ...]:
 # -- the strategy ------------------------------------------------------------------------
 
 from . import _context  # noqa: E402  (the World above needs none of these)
-from ._arrays import leaf_text, mean_of_sum  # noqa: E402
+from ._arrays import leaf_text, mean_of_sum, mean_operand  # noqa: E402
 from ._backends import cpu_backend  # noqa: E402
 from ._cross_device_ops import (  # noqa: E402
     NcclAllReduce,
@@ -661,6 +661,8 @@ async def _all_reduce_packs(
     ``ops`` into one flat buffer, which goes to MPI as it is (one call per pack) and
     is cut into the leaves once, at the end."""
     local_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
+    if op is ReduceOp.MEAN:  # summed here, divided below: integers as float64
+        arrays = [[mean_operand(leaf) for leaf in leaves] for leaves in arrays]
     leaves: list = [None] * len(arrays[0])
     for pack, split, reduced in ops._reduced_packs(local_op, arrays, devices, options):
         flat = np.asarray(reduced).reshape(-1)
@@ -958,6 +960,8 @@ class MultiWorkerMirroredStrategy(Strategy):
             parts = await self._host_components(self._per_local_replica(value))
             # The checks and per-replica reductions of strategy.reduce (MEAN: sums).
             parts, count = _local_parts(op, parts, axis)
+            if op is ReduceOp.MEAN:  # summed here, divided below: integers as float64
+                parts = [mean_operand(np.asarray(p)) for p in parts]
             local = self.extended._cross_device_ops._reduce_arrays(
                 local_op,
                 [np.asarray(p) for p in parts],

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from . import _context
-from ._arrays import mean_of_sum
+from ._arrays import mean_of_sum, mean_operand
 from ._backends import backend_for, host_array, is_cupy_array
 from ._checks import member
 from ._devices import HOST as _HOST
@@ -271,6 +271,13 @@ class Variable:
             raise InvalidArgumentError(
                 f"{self._name}: initial_value has dtype {host.dtype}; expected numbers."
             )
+        summed = (VariableAggregation.SUM, VariableAggregation.MEAN)
+        if host.dtype.kind == "b" and self._aggregation in summed:
+            raise InvalidArgumentError(
+                f"{self._name}: a bool variable cannot have aggregation="
+                f"{self._aggregation.name} (a sum of bools is not a bool); use NONE or "
+                "ONLY_FIRST_REPLICA, or an integer dtype."
+            )
         strategy = None if type(self) is Variable else _context.current_state().strategy
         if type(self) is not Variable and strategy is None:
             raise ContextError(
@@ -488,7 +495,16 @@ class MirroredVariable(Variable):
             return await strategy._world.broadcast(parts[0], what, timeout)
         op = ReduceOp.SUM if self._aggregation is VariableAggregation.SUM else ReduceOp.MEAN
         (total,) = await strategy._reduce_across(op, [PerReplica(parts)], None, None)
-        return total
+        return self._rounded(total, parts)
+
+    def _rounded(self, aggregate: Any, parts: Sequence[Any]) -> Any:
+        """The MEAN of integer values (a float) rounded half to even, to be written to
+        an integer variable; any other aggregate as it is (floats written to an
+        integer variable are refused, as everywhere)."""
+        integers = self.dtype.kind in "iu" and all(p.dtype.kind in "iu" for p in parts)
+        if integers and aggregate.dtype.kind == "f":
+            return np.rint(aggregate).astype(self.dtype)
+        return aggregate
 
     def _aggregate(self, parts: Sequence[Any]) -> Any:
         if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
@@ -496,7 +512,7 @@ class MirroredVariable(Variable):
         op = ReduceOp.SUM if self._aggregation is VariableAggregation.SUM else ReduceOp.MEAN
         ops = self._strategy.extended._cross_device_ops
         arrays = [np.asarray(host_array(p)) for p in parts]
-        return host_array(ops._reduce_arrays(op, arrays, _HOST))
+        return self._rounded(host_array(ops._reduce_arrays(op, arrays, _HOST)), arrays)
 
 
 def _replica_values(strategy: Any, per_replica: Any) -> list:
@@ -552,6 +568,8 @@ class SyncOnReadVariable(Variable):
         else:
             ops = strategy.extended._cross_device_ops
             copies = [np.asarray(host_array(v)) for v in self._values]
+            if self._aggregation is VariableAggregation.MEAN:
+                copies = [mean_operand(copy) for copy in copies]  # integers as float64
             local = np.asarray(ops._reduce_arrays(ReduceOp.SUM, copies, _HOST))
             total = world.all_reduce_now(ReduceOp.SUM, local, what, timeout)
             if self._aggregation is VariableAggregation.MEAN:
@@ -569,10 +587,27 @@ class SyncOnReadVariable(Variable):
             return world.broadcast_now(
                 first, what, self._strategy._communication_options.timeout_seconds
             )
-        value = np.asarray(host_array(self._aggregate_copies()))
-        if value.dtype != self.dtype:  # the MEAN of integer copies: saved in their dtype
-            value = np.rint(value).astype(self.dtype)
-        return value
+        if self._aggregation is VariableAggregation.MEAN and self.dtype.kind in "iu":
+            return self._integer_mean()
+        return np.asarray(host_array(self._aggregate_copies()))
+
+    def _integer_mean(self) -> np.ndarray:
+        """The MEAN of integer copies as a checkpoint stores it, in their dtype: summed
+        exactly in 64 bits and rounded half to even (the float64 mean that a read
+        gives loses integers above 2**53)."""
+        wide = np.dtype(np.int64 if self.dtype.kind == "i" else np.uint64)
+        total = np.zeros(self.shape, wide)
+        for copy in self._values:
+            total += np.asarray(host_array(copy)).astype(wide)
+        strategy = self._strategy
+        if strategy._world is not None:
+            what = f"saving sync-on-read variable {self._name!r} (MEAN)"
+            timeout = strategy._communication_options.timeout_seconds
+            total = strategy._world.all_reduce_now(ReduceOp.SUM, total, what, timeout)
+        n = strategy.num_replicas_in_sync
+        quotient, remainder = np.divmod(total, wide.type(n))  # remainder in [0, n)
+        up = (2 * remainder > n) | ((2 * remainder == n) & (quotient % 2 == 1))
+        return np.asarray(quotient + up).astype(self.dtype)
 
     def _restore(self, value: np.ndarray) -> None:
         if self._aggregation is not VariableAggregation.SUM:

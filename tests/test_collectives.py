@@ -256,6 +256,36 @@ async def test_all_reduce_python_scalars_and_mean_of_ints(two):
     assert local(two, mean)[0].dtype.kind == "f"
 
 
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16])
+async def test_mean_of_small_integers_does_not_wrap(three, dtype):
+    """MEAN sums integers as float64, as NumPy's mean does: 100 + 101 + 102 fits no int8."""
+    base = 100 if dtype is np.int8 else 200 if dtype is np.uint8 else 30_000
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        value = dtype(base + rid())
+        return (
+            await ctx.all_reduce("mean", value),  # one scalar
+            await ctx.all_reduce("mean", np.array([value, value])),  # one array
+            await ctx.all_reduce("mean", [np.array([value]), np.array([1], dtype)]),  # packed
+        )
+
+    scalar, array, packed = await three.run(fn)
+    expected = float(base + 1)
+    for s, a, p in zip(
+        local(three, scalar), local(three, array), local(three, packed[0]), strict=True
+    ):
+        assert float(s) == expected and s.dtype == np.float64
+        np.testing.assert_array_equal(a, [expected, expected])
+        np.testing.assert_array_equal(p, [expected])
+    values = aiodist.PerReplica([np.array([base + i], dtype) for i in range(3)])
+    with three.scope():
+        np.testing.assert_array_equal(await three.reduce("mean", values, axis=None), [expected])
+        np.testing.assert_array_equal(await three.reduce("mean", values, axis=0), expected)
+        reduced = await three.extended.reduce_to("mean", values, "cpu:0")
+        np.testing.assert_array_equal(reduced, [expected])
+
+
 @pytest.mark.parametrize("empty", [[], (), {}], ids=["list", "tuple", "dict"])
 async def test_all_reduce_of_an_empty_structure_gives_it_back(two, empty):
     async def fn():

@@ -512,6 +512,38 @@ async def test_int_sync_on_read_variables_round_trip_and_assign(strategy, num_re
     assert int(count.read_value()) == 7
 
 
+async def test_integer_mean_variables_neither_wrap_nor_round_off(strategy, num_replicas, tmp_path):
+    big = 2**53 + 1  # not a float64
+    with strategy.scope():
+        small = aiodist.Variable(np.int8(0), synchronization="ON_READ", aggregation="mean")
+        large = aiodist.Variable(np.int64(0), synchronization="ON_READ", aggregation="mean")
+        mirrored = aiodist.Variable(np.int8(0), aggregation="mean", name="mirrored")
+
+    async def fn():
+        await small.assign(np.int8(100))
+        await large.assign(np.int64(big))
+        await mirrored.assign(np.int8(100 + rid()))  # aggregated: the mean, rounded
+
+    await strategy.run(fn)
+    assert float(small.read_value()) == 100.0  # 100 + 100 would wrap in int8
+    expected = round(100 + (num_replicas - 1) / 2)  # half to even: 100.5 -> 100
+    assert copies(strategy, mirrored) == [expected] * num_replicas
+    path = await aiodist.save_variables(tmp_path / "m.npz", {"small": small, "large": large})
+    with np.load(path) as saved:
+        assert saved["small"] == 100 and saved["small"].dtype == np.int8
+        assert int(saved["large"]) == big and saved["large"].dtype == np.int64
+
+
+@pytest.mark.parametrize("aggregation", ["sum", "mean"])
+def test_bool_variables_refuse_summing_aggregations(two, aggregation):
+    with two.scope():
+        aiodist.Variable(True, synchronization="ON_READ", aggregation="only_first_replica")
+        with pytest.raises(
+            ValueError, match=rf"bool variable cannot have aggregation={aggregation.upper()}"
+        ):
+            aiodist.Variable(True, synchronization="ON_READ", aggregation=aggregation)
+
+
 async def test_update_refuses_an_async_fn(two):
     with two.scope():
         v = aiodist.Variable(0.0)
