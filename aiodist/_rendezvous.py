@@ -165,6 +165,7 @@ class Rendezvous:
         self._next_number = [0] * num_replicas
         self._pending: dict[int, _Call] = {}
         self._exited: dict[int, tuple[int, str]] = {}  # replica -> (calls made, how)
+        self._failed: list[_Call] = []  # failed calls (rare), for close(quiet=True)
         # Set by close(): its reason, then the error built from it.
         self._closed: str | RendezvousError | None = None
         # Counters (statistics): completed calls by collective; seconds calls waited
@@ -245,17 +246,27 @@ class Rendezvous:
             if number >= made and call.failure is None:
                 self._fail(call, ReplicaExitedError(self._exit_message(call, replica, how)))
 
-    def close(self, reason: str = "the run finished") -> None:
-        """Fail every pending call and every later arrival; cancel timers."""
+    def close(self, reason: str = "the run finished", quiet: bool = False) -> None:
+        """Fail every pending call and every later arrival; cancel timers.
+
+        ``quiet``: the owner raises an error of its own (its run failed), so the
+        failures of collectives a replica started and never awaited are not logged
+        as "Future exception was never retrieved" as well.
+        """
         self._execute = _closed  # drops the owner's bound method: no reference cycle
         if self._closed is None:
             self._closed = reason  # the error is built when someone needs it (rarely)
-        if not self._pending:
-            return
-        for call in list(self._pending.values()):
-            if call.failure is None:  # a failed call's timer was cancelled then
-                self._fail(call, self._closed_error())
-        self._pending.clear()
+        if self._pending:
+            for call in list(self._pending.values()):
+                if call.failure is None:  # a failed call's timer was cancelled then
+                    self._fail(call, self._closed_error())
+            self._pending.clear()
+        if quiet:
+            for call in self._failed:
+                for future in call.futures:
+                    if future is not None and future.done() and not future.cancelled():
+                        future.exception()  # marks it retrieved
+        self._failed.clear()
 
     def _closed_error(self) -> RendezvousError:
         """The one error every call failed by ``close`` raises."""
@@ -320,6 +331,11 @@ class Rendezvous:
         except Exception as exc:
             self._fail(call, exc)
             return
+        except BaseException as exc:  # e.g. pytest.fail(): every replica raises it too
+            self._fail(call, exc)
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                raise  # at once, as asyncio lets them through
+            return
         if type(results) is list:  # the usual case, tested first: one type check
             self._deliver(call, results)
         elif isinstance(results, asyncio.Future):
@@ -347,6 +363,7 @@ class Rendezvous:
 
     def _fail(self, call: _Call, exc: BaseException) -> None:
         call.failure = exc
+        self._failed.append(call)
         if call.timer is not None:
             call.timer.cancel()
             call.timer = None

@@ -196,7 +196,7 @@ class RunGroup:
     # Made on first use: replica exits before the rendezvous existed; merge_fn
     # tasks; (call, replica) -> arrival time while tracing.
     _exits: tuple | list = ()
-    _aux: tuple | set = ()
+    _aux: tuple | dict = ()  # task -> coroutines to close if it never starts
     _arrivals: dict[tuple[int, int], float] | None = None
 
     def __init__(self, strategy: Strategy, slots: tuple[ReplicaSlot, ...]):
@@ -325,7 +325,10 @@ class RunGroup:
             strategy._live_groups.discard(self)
             strategy._counters.add_run(self)
             if self._rendezvous is not None:
-                self._rendezvous.close()
+                # Quiet when the run failed or was cancelled (_cancel_all sets
+                # _cancelling): run raises that, and the failures of collectives a
+                # replica started and never awaited are not logged besides.
+                self._rendezvous.close(quiet=self._failure is not None or self._cancelling)
                 self._watchdog.groups.discard(self)
             # Break group -> task -> context -> state -> group, so a finished run is
             # freed by reference counting instead of becoming cyclic garbage.
@@ -445,14 +448,27 @@ class RunGroup:
         for task in (*self._tasks, *self._aux):
             if task is not current and not task.done():
                 task.cancel()
+        for task, unstarted in tuple(self._aux.items()) if self._aux else ():
+            if unstarted and inspect.getcoroutinestate(task.get_coro()) == inspect.CORO_CREATED:
+                # Cancelled before its first step (the run failed as the last replica
+                # arrived): merge_fn's coroutine is never awaited; closed, Python does
+                # not warn about it.
+                for coro in unstarted:
+                    coro.close()
 
     async def _drain(self) -> None:
-        """Wait until every replica and merge task has finished, even if cancelled again."""
+        """Wait until every replica and merge task has finished, even if cancelled
+        meanwhile; then a cancellation that arrived meanwhile is raised (asyncio's
+        rule: a caught CancelledError is not swallowed)."""
+        cancelled = None
         while pending := [t for t in (*self._tasks, *self._aux) if not t.done()]:
             try:
                 await asyncio.wait(pending)
-            except asyncio.CancelledError:
+            except asyncio.CancelledError as exc:
+                cancelled = cancelled or exc
                 self._cancel_all()
+        if cancelled is not None:
+            raise cancelled
 
     # -- cross-replica execution (called once per completed collective) -------------
 
@@ -569,21 +585,29 @@ class RunGroup:
         return [_nest.pack_as(p.template, leaves) for p, leaves in zip(payloads, out, strict=True)]
 
     def _spawn(
-        self, coro: Any, context: contextvars.Context | None = None, *, untracks: bool = False
+        self,
+        coro: Any,
+        context: contextvars.Context | None = None,
+        *,
+        untracks: bool = False,
+        unstarted: tuple = (),
     ) -> asyncio.Task:
         """A task doing cross-replica work for this run: cancelled with the run's
         replicas and waited for by ``_drain``. ``untracks``: ``coro`` leaves ``_aux``
-        itself when it ends (see ``_merged``); otherwise a done callback does."""
+        itself when it ends (see ``_merged``); otherwise a done callback does.
+        ``unstarted``: coroutines ``coro`` would await, closed by ``_cancel_all`` if
+        the task is cancelled before its first step (never awaited otherwise)."""
         loop = self._loop or get_running_loop()
         if loop.get_task_factory() is None:  # as in run(): no separate set_name()
             task = asyncio.Task(coro, loop=loop, context=context)
         else:
             task = loop.create_task(coro, context=context)
         if type(self._aux) is tuple:  # the first merge task of this run
-            self._aux = set()
-        self._aux.add(task)
+            self._aux = {}
+        aux = self._aux
+        aux[task] = unstarted
         if not untracks:
-            task.add_done_callback(self._aux.discard)
+            task.add_done_callback(lambda done: aux.pop(done, None))
         return task
 
     def _merge(self, number: int, payloads: list[MergePayload], backend: Any, order: object) -> Any:
@@ -624,7 +648,11 @@ class RunGroup:
             # Ordered as soon as merge_fn's work is issued, while its arguments are
             # still referenced (their memory is not reused before the replicas wait).
             coro = _then(coro, issued)
-        task = self._spawn(self._merged(number, coro), context, untracks=True)
+        # The coroutines to close if the task never starts: the one it awaits, and
+        # merge_fn's own beneath the wrappers.
+        own = type(result) is CoroutineType and result is not coro
+        unstarted = (coro, result) if own else (coro,)
+        task = self._spawn(self._merged(number, coro), context, untracks=True, unstarted=unstarted)
         if backend is not None:  # also when the task is cancelled before it starts
             task.add_done_callback(issued)
         return task
@@ -650,7 +678,7 @@ class RunGroup:
                 ) from None
             raise
         finally:
-            self._aux.discard(asyncio.current_task(self._loop))
+            self._aux.pop(asyncio.current_task(self._loop), None)
         return self._for_each_replica(result)
 
     def _for_each_replica(self, value: object) -> list:

@@ -17,6 +17,7 @@ finds nothing due, and goes idle again when no run has a call in flight.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import math
 import os
@@ -76,14 +77,16 @@ def _short(filename: str) -> str:
     return filename if relative.startswith("..") else relative
 
 
+_EMPTY_CONTEXT = contextvars.Context()
+
+
 class Watchdog:
     """Looks at the runs of one event loop when a stall report may be due."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = weakref.ref(loop)
         self.groups: set[RunGroup] = set()
-        self._handle: asyncio.TimerHandle | None = None
-        self._due = math.inf
+        self._due = math.inf  # when the armed timer fires (inf: none is armed)
 
     def ensure(self, when: float) -> None:
         """Wake up no later than ``when`` (a ``time.perf_counter()`` value)."""
@@ -92,13 +95,19 @@ class Watchdog:
         loop = self._loop()
         if loop is None or loop.is_closed():
             return
-        if self._handle is not None:
-            self._handle.cancel()
         self._due = when
-        self._handle = loop.call_later(max(0.0, when - time.perf_counter()), self._tick)
+        # No handle is kept (an earlier timer, superseded, finds _due changed and does
+        # nothing): this watchdog is the value of a weak-keyed dict whose key is the
+        # loop, and a handle holds its loop, so keeping one would keep both forever.
+        # In an empty context: the caller's (a replica's, holding its run) would stay
+        # alive with the timer, and the run with it, until the timer fired.
+        delay = max(0.0, when - time.perf_counter())
+        loop.call_later(delay, self._tick, when, context=_EMPTY_CONTEXT)
 
-    def _tick(self) -> None:
-        self._handle, self._due = None, math.inf
+    def _tick(self, armed_for: float) -> None:
+        if armed_for != self._due:  # superseded by an earlier timer
+            return
+        self._due = math.inf
         loop = self._loop()
         if loop is None:
             return

@@ -7,6 +7,9 @@ turns such a regression into a failure instead of a stuck CI run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -355,3 +358,139 @@ async def test_a_timeout_raised_inside_an_async_merge_fn_is_its_own():
     with pytest.raises(TimeoutError) as raised:
         await strategy.run(fn)
     assert not isinstance(raised.value, aiodist.RendezvousTimeoutError)
+
+
+# -- cancellation while a run winds down ---------------------------------------------
+
+
+async def test_a_cancel_while_a_failed_run_drains_its_replicas_is_not_lost(two):
+    """The caller is cancelled while replica 0 cleans up after replica 1 failed: the
+    caller sees CancelledError (asyncio's rule), not the replica's error."""
+    cleaning = asyncio.Event()
+
+    async def step():
+        if rid() == 1:
+            await asyncio.sleep(0)
+            raise ValueError("bad batch")
+        try:
+            await aiodist.get_replica_context().all_reduce("sum", 1.0)
+        except asyncio.CancelledError:
+            cleaning.set()
+            await asyncio.sleep(0.05)  # cleanup that awaits
+            raise
+
+    async def serve():
+        for _ in range(20):  # a request loop that survives failed steps (bounded: a
+            with contextlib.suppress(ValueError):  # lost cancel ends it, not a hang)
+                await two.run(step)
+
+    task = asyncio.create_task(serve())
+    await cleaning.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_cancel_while_a_run_waits_for_its_merge_fn_is_not_lost(two):
+    started = asyncio.Event()
+
+    async def slow_merge(strategy):
+        started.set()
+        await asyncio.sleep(10)
+
+    async def step():
+        aiodist.get_replica_context().merge_call(slow_merge)  # started, never awaited
+        return rid()
+
+    task = asyncio.create_task(two.run(step))
+    await started.wait()  # every replica has returned; the run waits for the merge_fn
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+class Outcome(BaseException):
+    """Like pytest.fail()'s exception: a BaseException that is not an Exception."""
+
+
+async def test_a_merge_fn_raising_a_base_exception_reaches_every_replica(three):
+    seen = {}
+
+    def merge_fn(strategy):
+        raise Outcome("from merge_fn")
+
+    async def step():
+        try:
+            await aiodist.get_replica_context().merge_call(merge_fn)
+        except Outcome as exc:  # handled: the other replicas must not wait forever
+            seen[rid()] = exc
+        return rid()
+
+    await three.run(step)
+    assert sorted(seen) == [0, 1, 2] and len({id(e) for e in seen.values()}) == 1
+
+
+async def test_no_never_awaited_warnings_when_a_run_is_cancelled_as_the_last_replica_arrives(
+    two,
+):
+    """The run is cancelled in the same loop iteration as the last arrival, before the
+    async merge_fn's task has started: its coroutine is closed, not left unawaited."""
+    ran = []
+
+    async def merge_fn(strategy):
+        ran.append(True)
+
+    async def step():
+        if rid() == 1:  # the last to arrive
+            await asyncio.sleep(0)
+        return await aiodist.get_replica_context().merge_call(merge_fn)
+
+    for _ in range(3):  # a warning would fail the test (filterwarnings = error)
+        task = asyncio.create_task(two.run(step))
+        await asyncio.sleep(0)  # replica 0 arrives
+        await asyncio.sleep(0)  # replica 1 arrives: the merge task is made
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    gc.collect()
+    assert ran == []
+
+
+async def test_collectives_started_and_never_awaited_log_nothing_when_the_run_fails(two, caplog):
+    async def step():
+        ctx = aiodist.get_replica_context()
+        if rid() == 1:
+            await asyncio.sleep(0)
+            raise ValueError("boom")
+        pending = ctx.all_reduce("sum", 1.0)  # started; awaited later
+        await asyncio.sleep(0.01)
+        return await pending
+
+    for _ in range(2):  # (before the watchdog fix, the first run on a loop was never freed)
+        with pytest.raises(ValueError, match="boom"):
+            await two.run(step)
+        gc.collect()
+    assert "never retrieved" not in caplog.text
+
+
+async def test_a_failed_run_is_freed_at_once_while_stall_reports_are_armed(two):
+    """The stall watchdog's timer is armed from the first replica's collective; it must
+    not keep that replica's context, and with it the run, its failure's traceback and
+    the replicas' arrays, alive until it fires."""
+    alive = []
+
+    async def step():
+        local = np.ones(4)
+        alive.append(weakref.ref(local))
+        if rid() == 1:
+            await asyncio.sleep(0)
+            raise ValueError("boom")
+        await aiodist.get_replica_context().all_reduce("sum", 1.0)
+
+    # Not pytest.raises: its ExceptionInfo would keep the traceback's frames.
+    with contextlib.suppress(ValueError):
+        await two.run(step)
+    for _ in range(3):  # the run's last callbacks (its replicas' exits) run
+        await asyncio.sleep(0)
+    gc.collect()
+    assert [ref() is None for ref in alive] == [True, True]
