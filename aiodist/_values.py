@@ -186,8 +186,14 @@ def regroup(
             f"replicas {what} different structures{where} ({shapes}); every replica "
             "must produce the same nesting of lists, tuples and dicts."
         )
-    per_child = [_nest.children(value) for value in values]
-    keys = _nest.children({k: k for k in first}) if isinstance(first, dict) else None
+    if isinstance(first, dict):
+        # Every replica's children in the first's key order: keys that cannot be
+        # sorted are visited in insertion order, which may differ between replicas.
+        keys = _nest.children({k: k for k in first})
+        per_child = [[value[key] for key in keys] for value in values]
+    else:
+        keys = None
+        per_child = [_nest.children(value) for value in values]
     merged = [
         regroup(
             [kids[i] for kids in per_child],

@@ -90,6 +90,22 @@ async def test_results_regroup_identical_objects_stay_single(two):
     assert result["mine"].devices == ("/device:CPU:0", "/device:CPU:1")
 
 
+async def test_dict_results_regroup_by_key_whatever_the_insertion_order(two):
+    """Keys that cannot be sorted together (an int and a str) are visited in insertion
+    order, which may differ from replica to replica: values still go by key."""
+
+    async def fn():
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        return (
+            {1: f"one@{rid}", "x": f"x@{rid}"} if rid == 0 else {"x": f"x@{rid}", 1: f"one@{rid}"}
+        )
+
+    result = await two.run(fn)
+    assert list(result) == [1, "x"]  # the first replica's order
+    assert two.experimental_local_results(result[1]) == ("one@0", "one@1")
+    assert two.experimental_local_results(result["x"]) == ("x@0", "x@1")
+
+
 async def test_mismatched_result_structures_raise_naming_replicas(two):
     async def fn():
         rid = aiodist.get_replica_context().replica_id_in_sync_group
