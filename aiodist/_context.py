@@ -144,7 +144,10 @@ def scope_of(strategy: Strategy) -> Iterator[Strategy]:
     functions) changes nothing; entering a different one raises ``ContextError``.
     """
     state = _STATE.get()
-    if strategy is _default.get("strategy") or state.strategy is strategy:
+    default = strategy is _default.get("strategy")
+    if default and state.strategy is not None and state.strategy is not strategy:
+        raise _mixing(state.strategy, strategy)  # TF: scopes must not nest
+    if default or state.strategy is strategy:
         if state.strategy is strategy and not state.in_scope:
             token = _STATE.set(state._replace(in_scope=True))
             try:

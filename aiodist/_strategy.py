@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import _context, _nest, _variables
-from ._arrays import as_axis, check_reducible
+from ._arrays import as_axis, check_reducible, mean_of_sum
 from ._backends import backend_for, cpu_backend, is_cupy_array, is_cupy_type, visible_gpu_count
 from ._checks import options_or_default
 from ._cross_device_ops import CrossDeviceOps, NcclAllReduce, ReductionToOneDevice, check_alike
@@ -420,8 +420,8 @@ class Strategy:
         parts, count = _local_parts(op, parts, axis)
         if axis is not None and op is ReduceOp.MEAN:
             return np.asarray(np.true_divide(sum(parts), count))
-        if len(parts) == 1 and op is ReduceOp.MEAN:
-            return np.asarray(parts[0]).copy()
+        if len(parts) == 1 and op is ReduceOp.MEAN:  # integers: a float mean, as always
+            return mean_of_sum(np, np.array(parts[0], copy=True), 1)
         # Straight to the reduction primitive: the parts are host arrays already.
         return self.extended._cross_device_ops._reduce_arrays(op, parts, _HOST)
 

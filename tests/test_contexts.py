@@ -36,11 +36,17 @@ def test_scope_enters_cross_replica_context(two):
 
 
 def test_mixing_strategies_raises(two, three):
+    default = aiodist.get_strategy()
     with two.scope():
         with pytest.raises(RuntimeError, match=r"Mixing different aiodist strategies"):
             with three.scope():
                 pass
+        with pytest.raises(RuntimeError, match=r"Mixing different aiodist strategies"):
+            with default.scope():  # TF: the default strategy's scope nests in no other
+                pass
         assert aiodist.get_strategy() is two
+    with default.scope():  # on its own it is fine
+        assert not aiodist.has_strategy()
 
 
 async def test_inside_run_replica_context_is_current(two):

@@ -70,6 +70,10 @@ async def test_reduce_plain_values(two):
     one = aiodist.OneDeviceStrategy("cpu:0")
     assert float(await one.reduce("sum", 4.0, axis=None)) == 4.0
     assert float(await two.reduce("mean", 4.0, axis=None)) == 4.0
+    # MEAN of integers is a float whatever the replica count.
+    for strategy in (one, two, aiodist.get_strategy()):
+        mean = await strategy.reduce("mean", np.array([1, 2]), axis=None)
+        assert mean.dtype == np.float64 and mean.tolist() == [1.0, 2.0]
     with pytest.raises(aiodist.InvalidArgumentError, match=r"cannot be reduced with SUM across 2"):
         await two.reduce("sum", 4.0, axis=None)
 
