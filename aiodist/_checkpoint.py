@@ -57,6 +57,12 @@ def _by_name(variables: Mapping[str, Variable] | Sequence[Variable], where: str)
             f"{where}: variables={variables!r}; expected a non-empty dict "
             "{name: aiodist.Variable} or a list of uniquely named aiodist.Variable."
         )
+    for name in named:
+        if "\0" in name:  # a zip member's name ends at NUL: the file would lose it
+            raise InvalidArgumentError(
+                f"{where}: the name {name!r} holds a NUL character, which a checkpoint "
+                "cannot store; rename the variable (or pass a dict with other names)."
+            )
     return named
 
 
@@ -109,8 +115,13 @@ async def save_variables(
     """Save ``variables`` to ``path`` (an ``.npz`` file), atomically. Returns the path."""
     _require_outside_replicas("save_variables")
     named = _by_name(variables, "save_variables")
-    snapshot = {name: np.array(v._saved_value(), copy=True) for name, v in named.items()}
     target = Path(path)
+    if not target.parent.is_dir():
+        raise InvalidArgumentError(
+            f"save_variables: cannot write {str(path)!r}: the folder "
+            f"{str(target.parent)!r} does not exist; create it first."
+        )
+    snapshot = {name: np.array(v._saved_value(), copy=True) for name, v in named.items()}
     await asyncio.to_thread(_atomic_write, target, snapshot)
     return target
 
@@ -118,7 +129,10 @@ async def save_variables(
 def _load(path: Path, wanted: Iterable[str]) -> tuple[dict[str, np.ndarray], list[str]]:
     """The ``wanted`` arrays the file holds, and the names of all it holds: a file's
     other arrays are never read (an archive is read entry by entry)."""
-    with np.load(path, allow_pickle=False) as data:
+    loaded = np.load(path, allow_pickle=False)
+    if not isinstance(loaded, np.lib.npyio.NpzFile):  # a .npy file: one bare array
+        raise ValueError("it holds one array (.npy), not named arrays (.npz)")
+    with loaded as data:
         held = set(data.files)
         return {name: data[name] for name in wanted if name in held}, list(data.files)
 
@@ -134,6 +148,11 @@ async def restore_variables(
         stored, held = await asyncio.to_thread(_load, Path(path), list(named))
     except FileNotFoundError:
         raise InvalidArgumentError(f"restore_variables: no checkpoint at {str(path)!r}.") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise InvalidArgumentError(
+            f"restore_variables: {str(path)!r} is not a checkpoint that save_variables "
+            f"wrote (an .npz file): {type(exc).__name__}: {exc}"
+        ) from exc
     problems = []
     for name, variable in named.items():
         if name not in stored:

@@ -568,6 +568,24 @@ async def test_update_checks_its_args_and_kwargs(two):
     assert copies(two, v) == [3.0, 3.0]
 
 
+async def test_checkpoint_paths_that_cannot_be_used_are_named(two, tmp_path):
+    with two.scope():
+        w = aiodist.Variable(np.zeros(2), name="w")
+    with pytest.raises(ValueError, match=r"folder '.*missing' does not exist"):
+        await aiodist.save_variables(tmp_path / "missing" / "c.npz", [w])
+    (tmp_path / "empty.npz").write_bytes(b"")
+    (tmp_path / "text.npz").write_text("not a checkpoint")
+    np.save(tmp_path / "one.npy", np.zeros(2))
+    (tmp_path / "folder").mkdir()
+    for name in ("empty.npz", "text.npz", "one.npy", "folder"):
+        with pytest.raises(
+            ValueError, match=rf"'.*{name}' is not a checkpoint that save_variables"
+        ):
+            await aiodist.restore_variables(tmp_path / name, [w])
+    with pytest.raises(ValueError, match=r"holds a NUL character"):
+        await aiodist.save_variables(tmp_path / "n.npz", {"x\0y": w})
+
+
 async def test_checkpoint_dicts_need_str_names_and_variables(tmp_path):
     v = aiodist.Variable(1.0)
     with pytest.raises(aiodist.InvalidArgumentError, match=r"the entry 1: .* not a str name"):
