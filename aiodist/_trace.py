@@ -14,13 +14,14 @@ hooks cost one module-attribute read each, at run start, arrival and completion.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from ._errors import ContextError
+from ._errors import ContextError, InvalidArgumentError
 
 __all__ = ["CROSS_REPLICA_TRACK", "INPUT_TRACK", "Tracer", "replica_track", "trace"]
 
@@ -157,6 +158,11 @@ class trace:
                 f"a trace is already being recorded (to {str(active.path)!r}); traces are "
                 "process-wide: finish that one first."
             )
+        if not self.path.parent.is_dir():  # now, not after the block has run
+            raise InvalidArgumentError(
+                f"aiodist.trace: cannot write {str(self.path)!r}: the folder "
+                f"{str(self.path.parent)!r} does not exist; create it first."
+            )
         self.tracer = active = Tracer(self.path)
         return self.tracer
 
@@ -170,7 +176,7 @@ class trace:
         return self._start()
 
     def __exit__(self, *exc_info: object) -> None:
-        self._stop().write()
+        _write(self._stop(), exc_info[1])
 
     async def __aenter__(self) -> Tracer:
         return self._start()
@@ -178,4 +184,21 @@ class trace:
     async def __aexit__(self, *exc_info: object) -> None:
         import asyncio
 
-        await asyncio.to_thread(self._stop().write)
+        await asyncio.to_thread(_write, self._stop(), exc_info[1])
+
+
+def _write(tracer: Tracer, raised: object) -> None:
+    """Write the trace file. When the block raised, a failure to write is logged
+    instead: the block's own exception is the one to see."""
+    if raised is None:
+        tracer.write()
+        return
+    try:
+        tracer.write()
+    except OSError as exc:
+        logging.getLogger("aiodist").warning(
+            "aiodist.trace: could not write %s (%s); the block raised %r.",
+            tracer.path,
+            exc,
+            raised,
+        )

@@ -284,6 +284,19 @@ async def test_async_trace_and_one_trace_at_a_time(tmp_path, two):
     assert not (tmp_path / "b.json").exists()
 
 
+async def test_trace_path_is_checked_first_and_never_hides_the_blocks_error(tmp_path, two, caplog):
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"folder '.*missing' does not exist"):
+        with aiodist.trace(tmp_path / "missing" / "t.json"):
+            pytest.fail("the block must not run")
+    folder = tmp_path / "gone"
+    folder.mkdir()
+    with pytest.raises(KeyError, match="the block's own"):
+        with aiodist.trace(folder / "t.json"):
+            folder.rmdir()  # the file cannot be written at the end
+            raise KeyError("the block's own")
+    assert "could not write" in caplog.text
+
+
 async def test_await_chain_shows_no_scheduler_frames_while_tracing(two, tmp_path):
     # While tracing, a plain replica function returning a coroutine runs inside two
     # scheduler wrappers (_traced, _call); the chain starts at the user's frames.
