@@ -77,7 +77,10 @@ def mean_of_sum(xp: Any, total: Any, count: int) -> Any:
 
 
 def as_axis(axis: Any, where: str) -> int:
-    """``axis`` as an int; raises ``InvalidArgumentError`` for anything else."""
+    """``axis`` as an int; raises ``InvalidArgumentError`` for anything else (a bool
+    too: ``axis=True`` is a mistake, not axis 1)."""
+    if isinstance(axis, bool):
+        raise InvalidArgumentError(f"{where}: axis={axis!r}; expected an int.")
     try:
         return operator.index(axis)
     except TypeError:

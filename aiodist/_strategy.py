@@ -344,6 +344,11 @@ class Strategy:
             >>> strategy.experimental_local_results(values)
             (0.0, 0.5)
         """
+        if not callable(value_fn):
+            raise InvalidArgumentError(
+                f"experimental_distribute_values_from_function: value_fn={value_fn!r} is "
+                "not callable; expected a function taking a ValueContext."
+            )
         n = self.num_replicas_in_sync
         values = []
         for slot in self._slots:
