@@ -539,6 +539,8 @@ def _normalise_axis(axis: Any, parts: list) -> tuple[int, ...]:
     out = []
     for a in axes:
         try:
+            if isinstance(a, bool):  # axis=True is a mistake, not axis 1
+                raise TypeError
             a = operator.index(a)
         except TypeError:
             raise InvalidArgumentError(

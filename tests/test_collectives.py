@@ -470,6 +470,12 @@ async def test_all_gather_rejects_rank0_and_bad_axis(two):
     with pytest.raises(ValueError, match=r"axis=2 is out of range for a value of shape \(2, 2\)"):
         await two.run(bad_axis)
 
+    async def bool_axis():
+        return await aiodist.get_replica_context().all_gather(np.ones((2, 2)), axis=True)
+
+    with pytest.raises(ValueError, match=r"axis=True; expected an int"):
+        await two.run(bool_axis)
+
 
 # -- merge_call --------------------------------------------------------------------------
 

@@ -86,7 +86,7 @@ async def test_reduce_errors(two):
         await two.reduce("sum", uneven, axis=1)
     with pytest.raises(ValueError, match=r"is not a reduce op"):
         await two.reduce("avg", uneven, axis=0)
-    with pytest.raises(ValueError, match=r"axis=True; expected an int"):
+    with pytest.raises(ValueError, match=r"axis=True; expected an int"):  # not axis 1
         await two.reduce("sum", uneven, axis=True)
     with pytest.raises(ValueError, match=r"value_fn=5 is not callable"):
         two.experimental_distribute_values_from_function(5)
