@@ -154,6 +154,7 @@ class Rendezvous:
         execute: Execute,
         watch: Callable[[float], None] | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
+        keeps_failures: bool = True,
     ):
         self.num_replicas = num_replicas
         # The loop every arrival will run on, when the owner knows it (a run does):
@@ -165,7 +166,9 @@ class Rendezvous:
         self._next_number = [0] * num_replicas
         self._pending: dict[int, _Call] = {}
         self._exited: dict[int, tuple[int, str]] = {}  # replica -> (calls made, how)
-        self._failed: list[_Call] = []  # failed calls (rare), for close(quiet=True)
+        # Failed calls (rare), for close(quiet=True); not kept by an owner that never
+        # closes (the default group), where they would pile up for ever.
+        self._failed: list[_Call] | None = [] if keeps_failures else None
         # Set by close(): its reason, then the error built from it.
         self._closed: str | RendezvousError | None = None
         # Counters (statistics): completed calls by collective; seconds calls waited
@@ -261,12 +264,12 @@ class Rendezvous:
                 if call.failure is None:  # a failed call's timer was cancelled then
                     self._fail(call, self._closed_error())
             self._pending.clear()
-        if quiet:
+        if quiet and self._failed:
             for call in self._failed:
                 for future in call.futures:
                     if future is not None and future.done() and not future.cancelled():
                         future.exception()  # marks it retrieved
-        self._failed.clear()
+        self._failed = None
 
     def _closed_error(self) -> RendezvousError:
         """The one error every call failed by ``close`` raises."""
@@ -363,7 +366,8 @@ class Rendezvous:
 
     def _fail(self, call: _Call, exc: BaseException) -> None:
         call.failure = exc
-        self._failed.append(call)
+        if self._failed is not None:
+            self._failed.append(call)
         if call.timer is not None:
             call.timer.cancel()
             call.timer = None

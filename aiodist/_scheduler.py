@@ -198,6 +198,7 @@ class RunGroup:
     _exits: tuple | list = ()
     _aux: tuple | dict = ()  # task -> coroutines to close if it never starts
     _arrivals: dict[tuple[int, int], float] | None = None
+    _closes_rendezvous = True  # run() closes it (the default group's lives on)
 
     def __init__(self, strategy: Strategy, slots: tuple[ReplicaSlot, ...]):
         self.strategy = strategy
@@ -229,7 +230,11 @@ class RunGroup:
             watchdog.groups.add(self)
             self._watchdog = watchdog
             self._rendezvous = Rendezvous(
-                self.num_replicas, self._execute, watchdog.ensure, self._loop
+                self.num_replicas,
+                self._execute,
+                watchdog.ensure,
+                self._loop,
+                keeps_failures=self._closes_rendezvous,
             )
             # Replicas that returned before any collective (the failed ones are in
             # _exits): their tasks are done, since a replica's task ends in the step
@@ -694,6 +699,8 @@ class DefaultGroup(RunGroup):
     Collectives there complete at once; a merge_fn runs in the default strategy's
     cross-replica context, built from the caller's context at each call.
     """
+
+    _closes_rendezvous = False
 
     def __init__(self, strategy: Strategy, slots: tuple[ReplicaSlot, ...]):
         super().__init__(strategy, slots)

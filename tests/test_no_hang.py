@@ -494,3 +494,22 @@ async def test_a_failed_run_is_freed_at_once_while_stall_reports_are_armed(two):
         await asyncio.sleep(0)
     gc.collect()
     assert [ref() is None for ref in alive] == [True, True]
+
+
+async def test_failed_merge_calls_in_the_default_context_are_not_kept():
+    """The default replica context's group lives as long as the process: a failed call
+    there must not be remembered (its arguments, its error) once it has been raised."""
+
+    def merge_fn(strategy, value):
+        raise ValueError("refused")
+
+    ctx = aiodist.get_replica_context()
+    refs = []
+    for _ in range(3):
+        value = np.ones(4)
+        refs.append(weakref.ref(value))
+        with pytest.raises(ValueError, match="refused"):
+            await ctx.merge_call(merge_fn, args=(value,))
+        del value
+    gc.collect()
+    assert [ref() is None for ref in refs] == [True, True, True]
