@@ -462,15 +462,13 @@ def _placed(array: Any, slot: ReplicaSlot, to_device: bool, detach: bool) -> Any
     view of it: a slice of the global batch). A transfer to a GPU is a copy
     already. tf.data, too, copies every element into new tensors."""
     placed = slot.backend.asarray(array, slot.device) if to_device else array
-    if not detach or not (isinstance(placed, np.ndarray) or is_cupy_array(placed)):
-        return placed
-    if placed is array or placed.base is not None:
-        with slot.backend.on_device(slot.device):
-            placed = placed.copy()
+    if detach and (placed is array or getattr(placed, "base", None) is not None):
+        return _copy_of_array(placed)
     return placed
 
 
 def _copy_of_array(leaf: Any) -> Any:
+    """A copy of a NumPy or CuPy array (on its own device); any other leaf as it is."""
     if isinstance(leaf, np.ndarray):
         return leaf.copy()
     if is_cupy_array(leaf):

@@ -960,11 +960,12 @@ class MultiWorkerMirroredStrategy(Strategy):
             parts = await self._host_components(self._per_local_replica(value))
             # The checks and per-replica reductions of strategy.reduce (MEAN: sums).
             parts, count = _local_parts(op, parts, axis)
+            parts = [np.asarray(p) for p in parts]
             if op is ReduceOp.MEAN:  # summed here, divided below: integers as float64
-                parts = [mean_operand(np.asarray(p)) for p in parts]
+                parts = [mean_operand(p) for p in parts]
             local = self.extended._cross_device_ops._reduce_arrays(
                 local_op,
-                [np.asarray(p) for p in parts],
+                parts,
                 _HOST,  # host parts: reduced there
             )
             totals.append(np.asarray(local))
