@@ -47,6 +47,7 @@ __all__ = [
     "combine",
     "combine_scalars",
     "pack",
+    "scalar_total",
 ]
 
 POOL_MIN_BYTES = 1 << 16  # from here, results go to pooled buffers, reduced in blocks
@@ -192,20 +193,20 @@ def _reduce_slice(ufunc: Any, flats: list, out: np.ndarray, start: int, stop: in
 _SCALAR_OPERATORS = {np.add: operator.add, np.multiply: operator.mul}
 
 
-def combine_scalars(ufunc: Any, values: Any, mean: bool = False) -> np.ndarray:
+def scalar_total(ufunc: Any, values: Any, mean: bool = False) -> Any:
     """``ufunc`` across 0-d ``values`` (NumPy scalars or 0-d arrays of one dtype),
-    value by value in order, as a new 0-d array; ``mean``: then divided by their
-    count (integers are summed and divided as float64, as NumPy's mean does).
+    value by value in order; ``mean``: then divided by their count (integers are
+    summed and divided as float64, as NumPy's mean does). A NumPy scalar, or
+    ``values[0]`` itself when it is the only value and no mean is taken.
 
     Value by value, not one ``ufunc.reduce`` over the list: from 8 values on that
     adds in partial sums, so a scalar would not reduce as the one-element array of
     it does (any other shape is reduced one input at a time).
     """
-    first = values[0]
-    inexact = isinstance(first, np.inexact)
+    inexact = isinstance(values[0], np.inexact)
     if mean and not inexact:  # summed as float64, as NumPy's mean: int8 100 + 100 is 200
         values = [np.float64(v) for v in values]
-        first, inexact = None, True
+        inexact = True
     # (functools.reduce: the loop in C.) A ufunc returns a new scalar for 0-d inputs,
     # so no out=; one value comes back as it is.
     total = reduce((inexact and _SCALAR_OPERATORS.get(ufunc)) or ufunc, values)
@@ -214,7 +215,13 @@ def combine_scalars(ufunc: Any, values: Any, mean: bool = False) -> np.ndarray:
         # in-place division of an array does) under any promotion rules.
         count = len(values)
         total = total / total.dtype.type(count) if inexact else np.true_divide(total, count)
-    if total is first:  # one value, maybe the caller's own 0-d array: a copy
+    return total
+
+
+def combine_scalars(ufunc: Any, values: Any, mean: bool = False) -> np.ndarray:
+    """``scalar_total`` as a new 0-d array."""
+    total = scalar_total(ufunc, values, mean)
+    if total is values[0]:  # one value, maybe the caller's own 0-d array: a copy
         return np.array(total, copy=True)
     return np.asarray(total)
 

@@ -493,6 +493,8 @@ class RunGroup:
             self._count_bytes(name, payloads)
         tracer = _trace.active
         if tracer is None:  # not tracing: straight to the work
+            if self._on_host and name != "merge_call":  # _execute_now's first case
+                return self._collective(number, signature, payloads)
             return self._execute_now(number, signature, payloads)
         return self._execute_traced(tracer, number, signature, payloads)
 
