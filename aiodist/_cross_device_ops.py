@@ -41,7 +41,7 @@ from ._host_reduce import pack as host_pack
 from ._host_reduce import scalar_total
 from ._ops import ReduceOp
 from ._options import CommunicationOptions
-from ._values import DistributedValues, Mirrored
+from ._values import DistributedValues, Mirrored, refuse_structure
 
 __all__ = ["CrossDeviceOps", "NcclAllReduce", "ReductionToOneDevice", "resolve_destinations"]
 
@@ -415,6 +415,7 @@ class CrossDeviceOps:
         """Copy ``tensor`` to every device of ``destinations``."""
         _context.require_cross_replica(None, "CrossDeviceOps.broadcast")
         devices = resolve_destinations(destinations)
+        refuse_structure(tensor, "broadcast")
         if isinstance(tensor, DistributedValues):
             raise InvalidArgumentError(
                 f"broadcast: tensor is a {type(tensor).__name__}; expected a single array "

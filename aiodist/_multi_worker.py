@@ -625,7 +625,7 @@ from ._cross_device_ops import (  # noqa: E402
 from ._options import CommunicationOptions  # noqa: E402
 from ._scheduler import RunGroup  # noqa: E402
 from ._strategy import Strategy, StrategyExtended, _local_parts  # noqa: E402
-from ._values import DistributedValues, PerReplica  # noqa: E402
+from ._values import DistributedValues, PerReplica, refuse_structure  # noqa: E402
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 
@@ -957,6 +957,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         local_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
         totals, counts = [], []
         for value in values:
+            refuse_structure(value, method.removeprefix("extended."))
             parts = await self._host_components(self._per_local_replica(value))
             # The checks and per-replica reductions of strategy.reduce (MEAN: sums).
             parts, count = _local_parts(op, parts, axis)

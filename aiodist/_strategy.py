@@ -30,7 +30,7 @@ from ._options import CommunicationOptions
 from ._replica_context import _EMPTY, ReplicaContext, _keywords, _positional
 from ._scheduler import DefaultGroup, ReplicaSlot, RunGroup
 from ._stats import Counters, Statistics, snapshot
-from ._values import DistributedValues, PerReplica, select_replica
+from ._values import DistributedValues, PerReplica, refuse_structure, select_replica
 
 __all__ = [
     "MirroredStrategy",
@@ -149,6 +149,7 @@ class StrategyExtended:
         """Combine ``value`` across replicas onto ``destinations`` (cross-replica context)."""
         _context.require_cross_replica(self._strategy, "reduce_to")
         op = ReduceOp.of(reduce_op)
+        refuse_structure(value, "reduce_to")
         options = self._strategy._communication_options.merge(options)
         with self._strategy._cross_replica_order():
             return await self._cross_device_ops.reduce(
@@ -200,14 +201,15 @@ class StrategyExtended:
     def _pairs(self, op: ReduceOp, value_destination_pairs: Any) -> list:
         """``batch_reduce_to``'s pairs, checked, each value through ``_distributed``."""
         try:
-            return [(self._distributed(op, v), d) for v, d in value_destination_pairs]
-        except (TypeError, ValueError) as exc:
-            if isinstance(exc, InvalidArgumentError):
-                raise
+            pairs = [(v, d) for v, d in value_destination_pairs]
+        except (TypeError, ValueError):
             raise InvalidArgumentError(
                 f"batch_reduce_to: value_destination_pairs={value_destination_pairs!r}; "
                 "expected a list of (value, destinations) pairs."
             ) from None
+        for value, _ in pairs:
+            refuse_structure(value, "batch_reduce_to")
+        return [(self._distributed(op, v), d) for v, d in pairs]
 
     def _distributed(self, op: ReduceOp, value: Any) -> Any:
         """TF's rule for a value that is not distributed: with several replicas it is
@@ -403,6 +405,10 @@ class Strategy:
     async def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: Any = None) -> Any:
         """Reduce ``value`` across replicas to a NumPy array on the host.
 
+        ``value`` is one value: a ``PerReplica`` (from ``run``), a ``Mirrored``, a
+        variable, or a plain array (every replica's). For a dict or list of them,
+        reduce each (a structure of distributed values raises, naming how).
+
         With ``axis``, each replica's value is first reduced along that axis too;
         MEAN then divides by the true number of elements over all replicas (so an
         uneven last batch is weighted correctly).
@@ -419,6 +425,7 @@ class Strategy:
         """
         _context.require_cross_replica(self, "reduce")
         op = ReduceOp.of(reduce_op)
+        refuse_structure(value, "strategy.reduce")
         parts = await self._host_components(value)
         if len(parts) == 1:
             self.extended._distributed(op, value)  # raises for SUM/PRODUCT of a plain value
@@ -431,7 +438,8 @@ class Strategy:
         return self.extended._cross_device_ops._reduce_arrays(op, parts, _HOST)
 
     async def gather(self, value: Any, axis: int) -> Any:
-        """Concatenate the components of ``value`` along ``axis`` into a host array.
+        """Concatenate the components of ``value`` (one value, as for ``reduce``)
+        along ``axis`` into a host array.
 
         Examples:
             >>> import numpy as np
@@ -444,6 +452,7 @@ class Strategy:
         """
         _context.require_cross_replica(self, "gather")
         axis = as_axis(axis, "gather")
+        refuse_structure(value, "strategy.gather")
         parts = await self._host_components(value)
         components = PerReplica(parts, (_HOST,) * len(parts)) if len(parts) > 1 else parts[0]
         return await self.extended._cross_device_ops.gather(components, _HOST, axis)

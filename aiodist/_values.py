@@ -28,7 +28,14 @@ from ._errors import InvalidArgumentError
 if TYPE_CHECKING:
     from ._devices import Device
 
-__all__ = ["DistributedValues", "Mirrored", "PerReplica", "regroup", "select_replica"]
+__all__ = [
+    "DistributedValues",
+    "Mirrored",
+    "PerReplica",
+    "refuse_structure",
+    "regroup",
+    "select_replica",
+]
 
 
 class DistributedValues:
@@ -126,6 +133,53 @@ def _describe(value: object) -> str:
     if isinstance(value, list | tuple):
         return f"{type(value).__name__} of {len(value)}"
     return f"a leaf ({type(value).__name__})"
+
+
+_ONE_AT_A_TIME = {
+    "strategy.reduce": "strategy.reduce(op, v, axis=None)",
+    "strategy.gather": "strategy.gather(v, axis=0)",
+    "reduce_to": "strategy.extended.reduce_to(op, v, destinations)",
+    "broadcast": "strategy.extended.broadcast_to(v, destinations)",
+}
+
+
+def refuse_structure(value: object, where: str) -> None:
+    """Raise ``InvalidArgumentError`` when ``value`` is a dict, or a list or tuple
+    holding distributed values: ``where`` (a key of ``_ONE_AT_A_TIME``, or
+    "batch_reduce_to") takes one value, as TF's do, and would otherwise see such a
+    structure as one object array."""
+    if not isinstance(value, _NESTED):
+        return
+    distributed = any(
+        # a variable (``_aiodist_local_results``) is distributed too
+        isinstance(leaf, DistributedValues) or hasattr(leaf, "_aiodist_local_results")
+        for leaf in _nest.flatten(value)
+    )
+    if isinstance(value, dict):  # never an array, distributed or not
+        what = f"dict (keys {', '.join(map(repr, value))})"
+    elif distributed:  # a list of plain arrays is an array-like, as for NumPy
+        what = f"{type(value).__name__} of {len(value)}"
+    else:
+        return
+    if distributed:
+        what += " holding distributed values"
+    one = "(one PerReplica from strategy.run, a Mirrored, or an array)"
+    if where == "batch_reduce_to":
+        values = "value.values()" if isinstance(value, dict) else "value"
+        raise InvalidArgumentError(
+            f"batch_reduce_to: a pair's value is a {what}; each "
+            f"pair holds one value {one}. Make a pair per value, e.g. "
+            f"[(v, destinations) for v in {values}]."
+        )
+    call = _ONE_AT_A_TIME[where]
+    if isinstance(value, dict):
+        example = f"{{k: await {call} for k, v in value.items()}}"
+    else:
+        example = f"[await {call} for v in value]"
+    raise InvalidArgumentError(
+        f"{where}: value is a {what}; {where} takes one value "
+        f"{one}. Call it once per value, e.g. {example}."
+    )
 
 
 def _same_container(a: object, b: object) -> bool:

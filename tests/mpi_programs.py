@@ -330,6 +330,25 @@ async def _statistics(strategy: aiodist.Strategy) -> dict:
     return {"bytes_reduced": strategy.statistics().bytes_reduced}
 
 
+async def _structures(strategy: aiodist.Strategy) -> list:
+    """A dict or list of distributed values is refused by every cross-worker
+    reduction and gather, each naming the structure (before any worker waits)."""
+    loss = strategy.experimental_distribute_values_from_function(_half)
+    refused = []
+    with strategy.scope():
+        for call in (
+            strategy.reduce("mean", {"loss": loss}, axis=None),
+            strategy.gather([loss], axis=0),
+            strategy.extended.reduce_to("sum", [loss], "cpu:0"),
+            strategy.extended.batch_reduce_to("sum", [({"loss": loss}, "cpu:0")]),
+        ):
+            try:
+                await call
+            except aiodist.InvalidArgumentError as exc:
+                refused.append(str(exc).split(";")[0])
+    return refused
+
+
 def _run(coro):
     """On the loop named by AIODIST_TEST_LOOP: uvloop (aiodist.run's) or asyncio."""
     if os.environ.get("AIODIST_TEST_LOOP") == "asyncio":
@@ -352,6 +371,7 @@ def main() -> None:
         "busy": _read_while_busy,
         "batcher": _batcher,
         "statistics": _statistics,
+        "structures": _structures,
     }[mode]
     _report(strategy, _run(work(strategy)))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -90,6 +92,50 @@ async def test_reduce_errors(two):
         await two.reduce("sum", uneven, axis=True)
     with pytest.raises(ValueError, match=r"value_fn=5 is not callable"):
         two.experimental_distribute_values_from_function(5)
+
+
+async def test_structures_of_distributed_values_are_refused_with_the_way_out(two):
+    # TF's Strategy.reduce/gather and reduce_to take one value; a dict or list of
+    # PerReplica used to become an object array ("dtype object") or a "rank-0" error.
+    loss, acc = per_replica(two, np.float32), per_replica(two, lambda i: np.float32(i / 2))
+    for value, shown, example in [
+        (
+            {"loss": loss, "acc": acc},
+            r"a dict \(keys 'loss', 'acc'\)",
+            r"\{k: await .* for k, v in",
+        ),
+        ([loss], r"a list of 1", r"\[await .* for v in value\]"),
+        ((1.0, [loss]), r"a tuple of 2", r"\[await .* for v in value\]"),
+    ]:
+        for call, where in [
+            (lambda v: two.reduce("mean", v, axis=None), r"strategy\.reduce"),
+            (lambda v: two.reduce("sum", v, axis=0), r"strategy\.reduce"),
+            (lambda v: two.gather(v, axis=0), r"strategy\.gather"),
+            (lambda v: two.extended.reduce_to("sum", v, "cpu:0"), "reduce_to"),
+            (lambda v: two.extended.broadcast_to(v, "cpu:0"), "broadcast"),
+        ]:
+            with pytest.raises(aiodist.InvalidArgumentError) as caught:
+                with two.scope():
+                    await call(value)
+            message = str(caught.value)
+            assert re.search(rf"^{where}: value is {shown} holding distributed values", message)
+            assert re.search(example, message), message
+        with pytest.raises(aiodist.InvalidArgumentError, match=rf"a pair's value is {shown}"):
+            await two.extended.batch_reduce_to("sum", [(loss, "cpu:0"), (value, "cpu:0")])
+    with two.scope():
+        weights = aiodist.Variable(np.ones(2, np.float32))
+        with pytest.raises(aiodist.InvalidArgumentError, match=r"value is a list of 1 holding"):
+            await two.reduce("mean", [weights], axis=None)
+    # One value at a time works; a structure without distributed values is a plain value.
+    assert float(await two.reduce("sum", loss, axis=None)) == 1.0
+    np.testing.assert_array_equal(await two.reduce("mean", [1.0, 2.0], axis=None), [1, 2])
+    # A dict is never an array, distributed or not.
+    for call in (
+        two.extended.broadcast_to({"w": np.ones(2)}, "cpu:0"),
+        two.reduce("mean", {"w": np.ones(2)}, axis=None),
+    ):
+        with pytest.raises(aiodist.InvalidArgumentError, match=r"value is a dict \(keys 'w'\);"):
+            await call
 
 
 @pytest.mark.parametrize("op", ["sum", "mean", "max"])

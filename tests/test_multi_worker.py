@@ -170,6 +170,26 @@ def test_statistics_count_each_workers_collective_bytes():
     assert results[1] == {"bytes_reduced": 1 * 40}
 
 
+def test_structures_of_distributed_values_are_refused_across_workers():
+    rc, results, output, _ = _program(2, "structures", [2, 2])
+    assert rc == 0, output[-3000:]
+    for result in results.values():
+        assert result == [
+            f"{where} is a {what} holding distributed values"
+            for where, what in [
+                ("strategy.reduce: value", "dict (keys 'loss')"),
+                ("strategy.gather: value", "list of 1"),
+                ("reduce_to: value", "list of 1"),
+                ("batch_reduce_to: a pair's value", "dict (keys 'loss')"),
+            ]
+        ]
+    # A dict is refused even where it holds no distributed value (one replica each).
+    rc, results, output, _ = _program(2, "structures", [1, 1])
+    assert rc == 0, output[-3000:]
+    for result in results.values():
+        assert result[0] == "strategy.reduce: value is a dict (keys 'loss')"
+
+
 @pytest.mark.parametrize("bad", [0, -1])
 def test_a_replica_count_below_one_is_refused(bad):
     with pytest.raises(aiodist.InvalidArgumentError, match=rf"devices_per_worker={bad}; expected"):
