@@ -18,7 +18,7 @@ _DEVICE_RE = re.compile(
     r"""^
     (?:/job:localhost(?:/replica:0)?(?:/task:0)?)?   # optional local-job prefix
     (?:/?device:|/)?                                # '/device:', 'device:' or '/'
-    (?P<kind>cpu|gpu):(?P<index>\d+)
+    (?P<kind>cpu|gpu):(?P<index>[0-9]+)           # ASCII digits only
     $""",
     re.IGNORECASE | re.VERBOSE,
 )
@@ -39,6 +39,23 @@ class Device:
 
     kind: str
     index: int
+
+    def __post_init__(self) -> None:
+        kind = self.kind.upper() if isinstance(self.kind, str) else None
+        if kind not in ("CPU", "GPU"):
+            raise DeviceError(
+                f"Device(kind={self.kind!r}, index={self.index!r}): kind must be 'CPU' or "
+                "'GPU' (in any case)."
+            )
+        index = self.index
+        if isinstance(index, bool) or not hasattr(index, "__index__") or index.__index__() < 0:
+            raise DeviceError(
+                f"Device(kind={self.kind!r}, index={index!r}): index must be a whole "
+                "number from 0."
+            )
+        # Frozen: the canonical spelling is set through object.__setattr__.
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "index", index.__index__())
 
     def __str__(self) -> str:
         return f"/device:{self.kind}:{self.index}"

@@ -35,7 +35,17 @@ def test_canonical_device_names(spec, canonical):
 
 
 @pytest.mark.parametrize(
-    "bad", ["tpu:0", "cpu", "cpu:-1", "GPU:x", "", "/job:worker/task:1/device:CPU:0", "cpu:0:1"]
+    "bad",
+    [
+        "tpu:0",
+        "cpu",
+        "cpu:-1",
+        "GPU:x",
+        "",
+        "/job:worker/task:1/device:CPU:0",
+        "cpu:0:1",
+        "cpu:\u0661",
+    ],
 )
 def test_bad_device_strings_name_the_string_and_the_forms(bad):
     with pytest.raises(ValueError) as info:
@@ -43,6 +53,27 @@ def test_bad_device_strings_name_the_string_and_the_forms(bad):
     assert isinstance(info.value, aiodist.DeviceError)
     assert repr(bad) in str(info.value)
     assert "expected 'CPU:<i>' or 'GPU:<i>'" in str(info.value)
+
+
+def test_device_objects_are_checked_and_spelled_canonically():
+    # Built directly, as parse_device builds them: the same rules as for strings.
+    assert aiodist.Device("cpu", 1) == aiodist.Device("CPU", 1)
+    assert str(aiodist.Device("gpu", 2)) == "/device:GPU:2"
+    assert aiodist.MirroredStrategy([aiodist.Device("cpu", 1)]).extended.worker_devices == (
+        "/device:CPU:1",
+    )
+    for kind, index, complaint in [
+        ("TPU", 1, r"kind must be 'CPU' or 'GPU'"),
+        (0, 0, r"kind must be 'CPU' or 'GPU'"),
+        ("CPU", -1, r"index must be a whole number from 0"),
+        ("CPU", 1.0, r"index must be a whole number from 0"),
+        ("CPU", True, r"index must be a whole number from 0"),
+        ("GPU", "0", r"index must be a whole number from 0"),
+    ]:
+        with pytest.raises(
+            aiodist.DeviceError, match=rf"Device\(kind={kind!r}, index={index!r}\): {complaint}"
+        ):
+            aiodist.Device(kind, index)
 
 
 def test_other_jobs_are_called_out():
