@@ -137,7 +137,7 @@ async def assert_same_on_replicas(
     replicas: Sequence[int] = (1, 2, 4),
     combine: str | ReduceOp = "concat",
     rtol: float | None = None,
-    atol: float = 0.0,
+    atol: float | None = None,
 ) -> Any:
     """Run ``step_fn`` on each replica count over the same global ``batch`` and check
     that the combined answers agree with the first count's (usually 1 replica).
@@ -154,7 +154,10 @@ async def assert_same_on_replicas(
 
     Results may be nested structures of arrays. ``rtol`` defaults to what the
     result's dtype can resolve after a change of summation order (1e-2 for
-    float16, 1e-5 for float32, 1e-9 for float64, exact for integers). Returns the
+    float16, 1e-5 for float32, 1e-9 for float64, exact for integers), and ``atol``
+    to the same figure: a value that cancels to about zero (a centred sum, a
+    gradient at the optimum) keeps only rounding noise, which no relative
+    tolerance covers. Pass ``atol=0`` to compare relatively only. Returns the
     reference answer; raises ``AssertionError`` naming the replica count that
     differs.
     """
@@ -176,11 +179,12 @@ async def assert_same_on_replicas(
                 f"{len(expected)}: the step's result structure depends on the replica count."
             )
         for index, (got, want) in enumerate(zip(leaves, expected, strict=True)):
+            resolution = _default_rtol(np.asarray(want).dtype)
             np.testing.assert_allclose(
                 np.asarray(got),
                 np.asarray(want),
-                rtol=_default_rtol(np.asarray(want).dtype) if rtol is None else rtol,
-                atol=atol,
+                rtol=resolution if rtol is None else rtol,
+                atol=resolution if atol is None else atol,
                 err_msg=(
                     f"value {index} of the step's result on {count} replicas differs from "
                     f"{reference_count} replica(s)"

@@ -170,3 +170,25 @@ async def test_default_tolerance_follows_the_dtype():
         return rows.astype(np.float16).sum(axis=0)
 
     await assert_same_on_replicas(half_sum, batch / 1000, combine="sum")
+
+
+async def test_values_that_cancel_to_zero_compare_absolutely_by_default():
+    # A centred batch sums to rounding noise (about 1e-16 on either side of 0): no
+    # relative tolerance covers it, so atol defaults to the dtype's figure too.
+    batch = np.random.default_rng(1).standard_normal((8, 3))
+    batch -= batch.mean(axis=0)
+
+    async def loss_sum(rows):
+        return rows.sum()
+
+    total = await assert_same_on_replicas(loss_sum, batch, combine="sum")
+    assert abs(float(total)) < 1e-12
+    with pytest.raises(AssertionError, match=r"on \d replicas differs"):  # relative only
+        await assert_same_on_replicas(loss_sum, batch, combine="sum", atol=0)
+
+    async def off_by_a_little(rows):  # above float64's figure (1e-9): still caught
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        return rows.sum() + 1e-6 * rid
+
+    with pytest.raises(AssertionError, match=r"on 2 replicas differs"):
+        await assert_same_on_replicas(off_by_a_little, batch, combine="sum")
