@@ -708,5 +708,32 @@ class DefaultGroup(RunGroup):
         super().__init__(strategy, slots)
         self.context = ReplicaContext(strategy, 0, slots[0].device, default_group=self)
 
+    _merge_task: asyncio.Task | None = None  # an async merge_fn's, while arrive() runs
+
     async def run(self, fn: Callable, args: Sequence, kwargs: dict) -> object:
         raise ContextError("the default replica group cannot run functions; use strategy.run.")
+
+    def arrive(
+        self, replica_id: int, signature: Signature, payload: Any, options: CommunicationOptions
+    ) -> asyncio.Future:
+        # One replica: its arrival completes the call, and starts an async merge_fn's
+        # task (_merge) before this returns. The caller is the only one waiting for
+        # it: if it stops waiting (cancelled, e.g. by asyncio.timeout), the merge_fn
+        # is cancelled too, as a run cancels its merge tasks with its replicas.
+        future = super().arrive(replica_id, signature, payload, options)
+        task, self._merge_task = self._merge_task, None
+        if task is not None and not future.done():
+            future.add_done_callback(partial(_cancel_with, task))
+        return future
+
+    def _merge(self, number: int, payloads: list[MergePayload], backend: Any, order: object) -> Any:
+        result = super()._merge(number, payloads, backend, order)
+        if isinstance(result, asyncio.Task):
+            self._merge_task = result
+        return result
+
+
+def _cancel_with(task: asyncio.Task, waited: asyncio.Future) -> None:
+    """``waited``'s done callback: cancel ``task`` if the wait was cancelled."""
+    if waited.cancelled():
+        task.cancel()

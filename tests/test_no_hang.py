@@ -513,3 +513,33 @@ async def test_failed_merge_calls_in_the_default_context_are_not_kept():
         del value
     gc.collect()
     assert [ref() is None for ref in refs] == [True, True, True]
+
+
+async def test_an_async_merge_fn_in_the_default_context_stops_when_its_caller_does():
+    """Outside any strategy the caller is the merge_fn's only waiter: when it stops
+    waiting (here asyncio.timeout), the merge_fn is cancelled instead of running on
+    in the background; a caller that waits gets the result as before."""
+    events = []
+
+    async def slow_merge(strategy):
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            events.append("cancelled")
+            raise
+        events.append("finished")
+
+    ctx = aiodist.get_replica_context()
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.02):
+            await ctx.merge_call(slow_merge)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert events == ["cancelled"]
+    assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+
+    async def quick_merge(strategy, x):
+        await asyncio.sleep(0)
+        return x + 1
+
+    assert await ctx.merge_call(quick_merge, args=(1,)) == 2
