@@ -50,8 +50,7 @@ class Device:
         index = self.index
         if isinstance(index, bool) or not hasattr(index, "__index__") or index.__index__() < 0:
             raise DeviceError(
-                f"Device(kind={self.kind!r}, index={index!r}): index must be a whole "
-                "number from 0."
+                f"Device(kind={self.kind!r}, index={index!r}): index must be a whole number from 0."
             )
         # Frozen: the canonical spelling is set through object.__setattr__.
         object.__setattr__(self, "kind", kind)
