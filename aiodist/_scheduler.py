@@ -49,7 +49,7 @@ from ._rendezvous import Rendezvous, Signature
 from ._replica_context import MergePayload, ReplicaContext
 from ._stall import watchdog_for
 from ._streams import drive
-from ._trace import CROSS_REPLICA_TRACK, Tracer, replica_track
+from ._trace import Tracer, cross_replica_track, replica_track
 from ._values import DistributedValues, regroup, select_replica
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ def _awaitable(value: object) -> bool:
 _NBYTES = attrgetter("nbytes")
 
 
-async def _traced(tracer: Tracer, coro: Any, replica: int, run: int) -> Any:
+async def _traced(tracer: Tracer, coro: Any, track: int, run: int) -> Any:
     """A replica's coroutine, recorded as a span on its track (only while tracing)."""
     start = tracer.now()
     outcome = "returned"
@@ -90,7 +90,7 @@ async def _traced(tracer: Tracer, coro: Any, replica: int, run: int) -> Any:
         tracer.span(
             f"run {run}",
             "replica",
-            replica_track(replica),
+            track,
             start,
             tracer.now(),
             run=run,
@@ -197,7 +197,8 @@ class RunGroup:
     # tasks; (call, replica) -> arrival time while tracing.
     _exits: tuple | list = ()
     _aux: tuple | dict = ()  # task -> coroutines to close if it never starts
-    _arrivals: dict[tuple[int, int], float] | None = None
+    _lane = 0  # this run's lane of tracks in the trace being recorded (see _trace)
+    _lane_tracer: Tracer | None = None  # the trace that lent it, while the run holds it
     _closes_rendezvous = True  # run() closes it (the default group's lives on)
 
     def __init__(self, strategy: Strategy, slots: tuple[ReplicaSlot, ...]):
@@ -261,32 +262,45 @@ class RunGroup:
         self, replica_id: int, signature: Signature, payload: Any, options: CommunicationOptions
     ) -> asyncio.Future:
         rendezvous = self._rendezvous or self.rendezvous
-        if _trace.active is not None:  # before arriving: the last arrival completes the call
-            number = rendezvous._next_number[replica_id]
-            self._trace_arrival(_trace.active, replica_id, signature, number)
-        return rendezvous.arrive(
+        tracer = _trace.active
+        if tracer is None:
+            return rendezvous.arrive(
+                replica_id,
+                signature,
+                payload,
+                options.timeout_seconds,
+                options.stall_warning_seconds,
+            )
+        # Noted before arriving: the last arrival completes the call.
+        waited = self._trace_arrival(tracer, replica_id, signature, rendezvous)
+        future = rendezvous.arrive(
             replica_id, signature, payload, options.timeout_seconds, options.stall_warning_seconds
         )
+        if future.done():  # this arrival completed the call: no wait, and none to hear of
+            waited(future)
+        else:  # called before the replica's own wake-up, added when it awaits
+            future.add_done_callback(waited)
+        return future
 
     def _trace_arrival(
-        self, tracer: Tracer, replica_id: int, signature: Signature, number: int
-    ) -> None:
-        """Note a replica's arrival; its wait span is written when the call completes."""
+        self, tracer: Tracer, replica_id: int, signature: Signature, rendezvous: Rendezvous
+    ) -> Callable[[asyncio.Future], None]:
+        """Note a replica's arrival; return the callback that writes its wait span when
+        its future is done: completed, failed (a timeout, a mismatch) or cancelled.
+        Start and end come from the same trace, even if another has started since."""
         arrived = tracer.now()
-        label = f"{signature.name} #{number}"
-        track = replica_track(replica_id)
-        tracer.instant(f"arrive {label}", "rendezvous", track, arrived, run=self._run_id)
-        if self._arrivals is None:
-            self._arrivals = {}
-        self._arrivals[number, replica_id] = arrived
+        label = f"{signature.name} #{rendezvous._next_number[replica_id]}"
+        track = replica_track(replica_id, self._lane)
+        run = self._run_id
+        tracer.instant(f"arrive {label}", "rendezvous", track, arrived, run=run)
 
-    def _trace_waits(self, tracer: Tracer, number: int, label: str, completed: float) -> None:
-        """Each replica waited in call ``number`` from its arrival until ``completed``."""
-        for replica in range(self.num_replicas):
-            arrived = self._arrivals.pop((number, replica), None) if self._arrivals else None
-            if arrived is not None:
-                track = replica_track(replica)
-                tracer.span(f"wait {label}", "rendezvous", track, arrived, completed)
+        def waited(future: asyncio.Future) -> None:
+            # Not future.exception(): that would mark a failure retrieved, and hide it
+            # from asyncio's "never retrieved" report for a call nobody awaited.
+            extra = {"outcome": "cancelled"} if future.cancelled() else {}
+            tracer.span(f"wait {label}", "rendezvous", track, arrived, tracer.now(), **extra)
+
+        return waited
 
     # -- the run ----------------------------------------------------------------------
 
@@ -327,6 +341,8 @@ class RunGroup:
             raise
         finally:
             self._finished = True
+            if self._lane_tracer is not None:  # only while tracing
+                self._free_lane()
             strategy._live_groups.discard(self)
             strategy._counters.add_run(self)
             if self._rendezvous is not None:
@@ -387,6 +403,7 @@ class RunGroup:
         tracer = _trace.active
         if tracer is not None:
             self._run_id = tracer.next_run()
+            self._lane, self._lane_tracer = tracer.take_lane(), tracer  # freed by run()
         coroutines: list = []
         try:
             for slot in self.slots:
@@ -414,13 +431,19 @@ class RunGroup:
                         backend.deactivate,
                     )
                 if tracer is not None:
-                    coro = _traced(tracer, coro, rid, self._run_id)
+                    coro = _traced(tracer, coro, replica_track(rid, self._lane), self._run_id)
                 coroutines.append(_replica(self, rid, state, coro))
         except BaseException:
             for coro in coroutines:
                 coro.close()
+            self._free_lane()
             raise
         return coroutines
+
+    def _free_lane(self) -> None:
+        if self._lane_tracer is not None:
+            self._lane_tracer.free_lane(self._lane)
+            self._lane_tracer = None
 
     def _replica_failed(self, rid: int, task: asyncio.Task) -> None:
         """A replica's task raised or was cancelled: record the run's failure, tell the
@@ -510,13 +533,12 @@ class RunGroup:
             tracer.span(
                 label,
                 "collective",
-                CROSS_REPLICA_TRACK,
+                cross_replica_track(self._lane),
                 start,
                 end,
                 run=self._run_id,
                 replicas=self.num_replicas,
             )
-            self._trace_waits(tracer, number, label, end)
 
         if isinstance(result, asyncio.Future):
             result.add_done_callback(done)

@@ -5,7 +5,8 @@ While a trace is recorded, aiodist notes each replica's span, every rendezvous
 collective or merge_fn, and input prefetching. The file is the Chrome trace
 event JSON format, which Perfetto (ui.perfetto.dev) and chrome://tracing open
 directly; each replica is a track ("replica 0", "replica 1", ...), beside a
-"cross-replica" and an "input" track.
+"cross-replica" and an "input" track. Runs in flight at the same time get tracks
+of their own ("replica 0 (lane 1)", ...), so their spans never overlap on one.
 
 Recording is process-wide (one trace at a time). When no trace is recorded the
 hooks cost one module-attribute read each, at run start, arrival and completion.
@@ -23,18 +24,33 @@ from typing import Any
 
 from ._errors import ContextError, InvalidArgumentError
 
-__all__ = ["CROSS_REPLICA_TRACK", "INPUT_TRACK", "Tracer", "replica_track", "trace"]
+__all__ = [
+    "CROSS_REPLICA_TRACK",
+    "INPUT_TRACK",
+    "Tracer",
+    "cross_replica_track",
+    "replica_track",
+    "trace",
+]
 
 # Track (thread) ids: replica i is i + 1; tid 0 would be shown as a "main thread".
+# Runs in flight at the same time (a server's requests) each take a lane, the
+# lowest free one, so their spans do not overlap on one track: lane L's tracks are
+# lane 0's plus L * LANE_STRIDE, named "replica i (lane L)", "cross-replica (lane L)".
 CROSS_REPLICA_TRACK = 100_000
 INPUT_TRACK = 100_001
-_SORT = {CROSS_REPLICA_TRACK: 0, INPUT_TRACK: 1_000_000}
+LANE_STRIDE = 1_000_000
+_INPUT_SORT = 1 << 62  # the input track last; a lane's cross-replica track first
 
 active: Tracer | None = None  # the trace being recorded, if any
 
 
-def replica_track(replica: int) -> int:
-    return replica + 1
+def replica_track(replica: int, lane: int = 0) -> int:
+    return lane * LANE_STRIDE + replica + 1
+
+
+def cross_replica_track(lane: int = 0) -> int:
+    return lane * LANE_STRIDE + CROSS_REPLICA_TRACK
 
 
 class Tracer:
@@ -48,6 +64,7 @@ class Tracer:
         self._tracks: set[int] = set()
         self._lock = threading.Lock()  # prefetch threads may record too
         self._runs = 0
+        self._lanes: set[int] = set()  # held by runs in flight
 
     def now(self) -> float:
         """Microseconds since the trace started."""
@@ -57,16 +74,31 @@ class Tracer:
         self._runs += 1
         return self._runs
 
+    def take_lane(self) -> int:
+        """The lowest lane no run in flight holds (0 when runs do not overlap)."""
+        lane = 0
+        while lane in self._lanes:
+            lane += 1
+        self._lanes.add(lane)
+        return lane
+
+    def free_lane(self, lane: int) -> None:
+        self._lanes.discard(lane)
+
     def _track(self, track: int) -> None:
         if track in self._tracks:
             return
         self._tracks.add(track)
-        if track == CROSS_REPLICA_TRACK:
-            name = "cross-replica"
-        elif track == INPUT_TRACK:
-            name = "input"
+        lane, slot = divmod(track, LANE_STRIDE)
+        sort = track
+        if track == INPUT_TRACK:
+            name, sort = "input", _INPUT_SORT
+        elif slot == CROSS_REPLICA_TRACK:
+            name, sort = "cross-replica", lane * LANE_STRIDE
         else:
-            name = f"replica {track - 1}"
+            name = f"replica {slot - 1}"
+        if lane:
+            name += f" (lane {lane})"
         self._events.append(
             {
                 "ph": "M",
@@ -82,7 +114,7 @@ class Tracer:
                 "name": "thread_sort_index",
                 "pid": self.pid,
                 "tid": track,
-                "args": {"sort_index": _SORT.get(track, track)},
+                "args": {"sort_index": sort},
             }
         )
 

@@ -269,6 +269,90 @@ async def test_trace_file_has_tracks_and_events_per_replica(tmp_path):
     assert run["ts"] <= wait["ts"] <= wait["ts"] + wait["dur"] <= run["ts"] + run["dur"] + 1
 
 
+async def test_concurrent_runs_are_traced_on_tracks_of_their_own(tmp_path, two):
+    # Two runs in flight at once (a server's requests) shared "replica 0", where their
+    # spans overlapped without nesting (viewers drop such spans). Each takes the lowest
+    # free lane; a later run, alone, goes back to lane 0.
+    async def step(delay):
+        await asyncio.sleep(delay)
+        total = await aiodist.get_replica_context().all_reduce("sum", 1.0)
+        await asyncio.sleep(delay)
+        return total
+
+    path = tmp_path / "trace.json"
+    with aiodist.trace(path):
+        first = asyncio.create_task(two.run(step, args=(0.02,)))
+        await asyncio.sleep(0.01)
+        await asyncio.gather(first, two.run(step, args=(0.02,)))
+        await two.run(step, args=(0,))
+    events = _validate(json.loads(path.read_text()))  # spans nest on every track
+    tracks = {e["args"]["name"]: e["tid"] for e in events if e["name"] == "thread_name"}
+    assert set(tracks) == {
+        "replica 0",
+        "replica 1",
+        "cross-replica",
+        "replica 0 (lane 1)",
+        "replica 1 (lane 1)",
+        "cross-replica (lane 1)",
+    }
+    runs = {
+        name: sorted(e["name"] for e in events if e["ph"] == "X" and e["tid"] == tid)
+        for name, tid in tracks.items()
+        if name.startswith("replica 0")
+    }
+    assert runs == {
+        "replica 0": ["run 1", "run 3", "wait all_reduce #0", "wait all_reduce #0"],
+        "replica 0 (lane 1)": ["run 2", "wait all_reduce #0"],
+    }
+
+
+async def test_a_failed_collective_has_its_wait_span(tmp_path, two):
+    # Waits were written when a call completed, so the one that timed out (the one
+    # that failed the run) had no span.
+    async def step():
+        ctx = aiodist.get_replica_context()
+        if ctx.replica_id_in_sync_group == 1:
+            await asyncio.sleep(1)
+        options = aiodist.CommunicationOptions(timeout_seconds=0.05)
+        return await ctx.all_reduce("sum", 1.0, options=options)
+
+    path = tmp_path / "trace.json"
+    with aiodist.trace(path):
+        with pytest.raises(aiodist.RendezvousTimeoutError):
+            await two.run(step)
+    events = _validate(json.loads(path.read_text()))
+    (wait,) = [e for e in events if e["name"] == "wait all_reduce #0"]
+    assert wait["tid"] == 1 and wait["dur"] >= 0.04e6  # replica 0 waited the timeout
+    assert not any(e["name"] == "all_reduce #0" for e in events)  # it never ran
+
+
+async def test_a_wait_is_timed_on_the_clock_of_the_trace_it_began_in(tmp_path, two):
+    # A trace that stops while a replica waits, and another that starts before the
+    # call completes: the wait belongs to the first (lost with it), not the second
+    # with a start from the first one's clock.
+    go = asyncio.Event()
+
+    async def step():
+        ctx = aiodist.get_replica_context()
+        if ctx.replica_id_in_sync_group == 1:
+            await go.wait()
+        return await ctx.all_reduce("sum", 1.0)
+
+    with aiodist.trace(tmp_path / "a.json"):
+        await asyncio.sleep(0.1)  # A's clock runs 0.1 s ahead of B's
+        run = asyncio.create_task(two.run(step))
+        await asyncio.sleep(0.01)  # replica 0 arrives and waits
+    with aiodist.trace(tmp_path / "b.json"):
+        await asyncio.sleep(0.01)
+        go.set()
+        await run
+    events = _validate(json.loads((tmp_path / "b.json").read_text()))
+    waits = [e for e in events if e["name"] == "wait all_reduce #0"]
+    assert [e["tid"] for e in waits] == [2]  # replica 1's, which arrived in B
+    (arrival,) = [e for e in events if e["name"] == "arrive all_reduce #0"]
+    assert waits[0]["ts"] == arrival["ts"] < 0.05e6
+
+
 async def test_async_trace_and_one_trace_at_a_time(tmp_path, two):
     async def fn():
         return await aiodist.get_replica_context().all_reduce("sum", 1.0)
