@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import gc
 import logging
 import math
 import os
@@ -46,26 +47,56 @@ def _is_wrapper(code: Any) -> bool:
     return code in (step_through.__code__, drive.__code__) or code.co_filename == _SCHEDULER_FILE
 
 
+def _frame_of(coro: Any) -> Any:
+    """The frame of a coroutine, generator or async generator (None once finished)."""
+    for attribute in ("cr_frame", "gi_frame", "ag_frame"):
+        if hasattr(coro, attribute):
+            return getattr(coro, attribute)
+    return None
+
+
+def _suspends(value: Any) -> bool:
+    """Whether ``value`` is a coroutine, generator or async generator."""
+    return any(hasattr(value, a) for a in ("cr_frame", "gi_frame", "ag_frame"))
+
+
+def _awaited(coro: Any) -> Any:
+    """The coroutine, generator or async generator ``coro`` is suspended in, if any."""
+    inner = None
+    for attribute in ("cr_await", "gi_yieldfrom", "ag_await"):
+        inner = getattr(coro, attribute, None)
+        if inner is not None:
+            break
+    if inner is None or _suspends(inner):
+        return inner
+    # C objects with no public link to what they drive: an async generator's asend()
+    # (``async for``), a custom awaitable's __await__ iterator, a future's iterator
+    # (``await task``). gc knows what each one holds; this is a diagnostic.
+    for candidate in (inner, *gc.get_referents(inner)):
+        if _suspends(candidate):
+            return candidate
+        if isinstance(candidate, asyncio.Task):  # awaiting a task: where that one is
+            return candidate.get_coro()
+    return None
+
+
 def await_chain(coro: Any) -> list[str]:
     """``function (file:line)`` for each suspended frame, outermost first."""
     chain = []
     seen = 0
     while coro is not None and seen < 100:
         seen += 1
-        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
-        code = getattr(coro, "cr_code", None) or getattr(coro, "gi_code", None)
-        if code is step_through.__code__ and frame is not None:
+        frame = _frame_of(coro)
+        code = frame.f_code if frame is not None else None
+        if code is step_through.__code__:
             # The stream driver steps its coroutine by hand (send/throw), so there is
             # no yield-from link to follow: take the coroutine it drives.
             coro = frame.f_locals.get("coro")
             continue
-        if frame is not None and code is not None and not _is_wrapper(code):
+        if frame is not None and not _is_wrapper(code):
             name = getattr(code, "co_qualname", code.co_name)
             chain.append(f"{name} ({_short(code.co_filename)}:{frame.f_lineno})")
-        inner = getattr(coro, "cr_await", None)
-        if inner is None:
-            inner = getattr(coro, "gi_yieldfrom", None)
-        coro = inner if hasattr(inner, "cr_frame") or hasattr(inner, "gi_frame") else None
+        coro = _awaited(coro)
     return chain
 
 

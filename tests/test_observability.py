@@ -421,3 +421,46 @@ async def test_await_chain_follows_the_stream_driver():
         "helper",
         "stuck_in_io",
     ]
+
+
+async def test_await_chain_goes_through_async_generators_custom_awaitables_and_tasks():
+    # Each suspends in a C object with no public link onward (an asend(), a custom
+    # __await__ iterator, a future's iterator): the chain stopped at the replica's
+    # own frame, so a stall report did not say where the replica was.
+    from aiodist._stall import await_chain
+
+    event = asyncio.Event()
+
+    async def rows():
+        await helper(event)
+        yield 1
+
+    class Awaitable:
+        def __await__(self):
+            return helper(event).__await__()
+
+    async def through_async_for():
+        async for _ in rows():
+            pass
+
+    async def through_custom_awaitable():
+        await Awaitable()
+
+    async def through_a_task():
+        await asyncio.create_task(helper(event))
+
+    chains = {}
+    for fn in (through_async_for, through_custom_awaitable, through_a_task):
+        task = asyncio.create_task(fn())
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        chains[fn.__name__] = [
+            e.split(" (")[0].rsplit(".", 1)[-1] for e in await_chain(task.get_coro())
+        ]
+    event.set()
+    await asyncio.sleep(0.01)
+    assert chains == {
+        "through_async_for": ["through_async_for", "rows", "helper", "stuck_in_io", "wait"],
+        "through_custom_awaitable": ["through_custom_awaitable", "helper", "stuck_in_io", "wait"],
+        "through_a_task": ["through_a_task", "helper", "stuck_in_io", "wait"],
+    }
