@@ -8,6 +8,7 @@ same for ``CPU``. The canonical form is ``"/device:GPU:0"``.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 
 from ._errors import DeviceError
@@ -47,14 +48,18 @@ class Device:
                 f"Device(kind={self.kind!r}, index={self.index!r}): kind must be 'CPU' or "
                 "'GPU' (in any case)."
             )
-        index = self.index
-        if isinstance(index, bool) or not hasattr(index, "__index__") or index.__index__() < 0:
+        try:  # an int, a NumPy integer; not a bool, a float or an array
+            index = None if isinstance(self.index, bool) else operator.index(self.index)
+        except TypeError:
+            index = None
+        if index is None or index < 0:
             raise DeviceError(
-                f"Device(kind={self.kind!r}, index={index!r}): index must be a whole number from 0."
+                f"Device(kind={self.kind!r}, index={self.index!r}): index must be a whole "
+                "number from 0."
             )
         # Frozen: the canonical spelling is set through object.__setattr__.
         object.__setattr__(self, "kind", kind)
-        object.__setattr__(self, "index", index.__index__())
+        object.__setattr__(self, "index", index)
 
     def __str__(self) -> str:
         return f"/device:{self.kind}:{self.index}"

@@ -199,6 +199,8 @@ class RunGroup:
     _aux: tuple | dict = ()  # task -> coroutines to close if it never starts
     _lane = 0  # this run's lane of tracks in the trace being recorded (see _trace)
     _lane_tracer: Tracer | None = None  # the trace that lent it, while the run holds it
+    # While tracing: call number -> [trace, time it completed, waits still to end].
+    _completions: dict[int, list] | None = None
     _closes_rendezvous = True  # run() closes it (the default group's lives on)
 
     def __init__(self, strategy: Strategy, slots: tuple[ReplicaSlot, ...]):
@@ -286,19 +288,31 @@ class RunGroup:
         self, tracer: Tracer, replica_id: int, signature: Signature, rendezvous: Rendezvous
     ) -> Callable[[asyncio.Future], None]:
         """Note a replica's arrival; return the callback that writes its wait span when
-        its future is done: completed, failed (a timeout, a mismatch) or cancelled.
-        Start and end come from the same trace, even if another has started since."""
+        its future is done: completed (the span ends when the collective did), failed
+        (a timeout, a mismatch) or cancelled (it ends then)."""
         arrived = tracer.now()
-        label = f"{signature.name} #{rendezvous._next_number[replica_id]}"
+        number = rendezvous._next_number[replica_id]
+        label = f"{signature.name} #{number}"
         track = replica_track(replica_id, self._lane)
-        run = self._run_id
-        tracer.instant(f"arrive {label}", "rendezvous", track, arrived, run=run)
+        tracer.instant(f"arrive {label}", "rendezvous", track, arrived, run=self._run_id)
 
         def waited(future: asyncio.Future) -> None:
+            # The trace recording now (the one it began in may have stopped since),
+            # on its own clock.
+            target = _trace.active or tracer
+            end = target.now()
+            completion = self._completions.get(number) if self._completions else None
+            if completion is not None:  # one callback per replica: the last drops it
+                completion[2] -= 1
+                if completion[2] == 0:
+                    del self._completions[number]
+                if completion[0] is target and not future.cancelled():
+                    end = completion[1]
+            start = arrived if target is tracer else target.rebased(arrived, tracer)
             # Not future.exception(): that would mark a failure retrieved, and hide it
             # from asyncio's "never retrieved" report for a call nobody awaited.
             extra = {"outcome": "cancelled"} if future.cancelled() else {}
-            tracer.span(f"wait {label}", "rendezvous", track, arrived, tracer.now(), **extra)
+            target.span(f"wait {label}", "rendezvous", track, start, end, **extra)
 
         return waited
 
@@ -530,6 +544,11 @@ class RunGroup:
 
         def done(_: object = None) -> None:
             end = tracer.now()
+            # Each replica's wait ends here, not when its callback runs (later, if the
+            # loop is busy); its wait span is written by that callback (_trace_arrival).
+            if self._completions is None:
+                self._completions = {}
+            self._completions[number] = [tracer, end, self.num_replicas]
             tracer.span(
                 label,
                 "collective",

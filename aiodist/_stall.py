@@ -24,6 +24,7 @@ import math
 import os
 import time
 import weakref
+from types import AsyncGeneratorType, CoroutineType, GeneratorType
 from typing import TYPE_CHECKING, Any
 
 from ._rendezvous import _replicas
@@ -47,17 +48,22 @@ def _is_wrapper(code: Any) -> bool:
     return code in (step_through.__code__, drive.__code__) or code.co_filename == _SCHEDULER_FILE
 
 
+_SUSPENDING = (CoroutineType, GeneratorType, AsyncGeneratorType)
+
+
 def _frame_of(coro: Any) -> Any:
     """The frame of a coroutine, generator or async generator (None once finished)."""
-    for attribute in ("cr_frame", "gi_frame", "ag_frame"):
-        if hasattr(coro, attribute):
-            return getattr(coro, attribute)
-    return None
+    if isinstance(coro, CoroutineType):
+        return coro.cr_frame
+    if isinstance(coro, GeneratorType):
+        return coro.gi_frame
+    return coro.ag_frame
 
 
 def _suspends(value: Any) -> bool:
-    """Whether ``value`` is a coroutine, generator or async generator."""
-    return any(hasattr(value, a) for a in ("cr_frame", "gi_frame", "ag_frame"))
+    """Whether ``value`` is a coroutine, generator or async generator: the types
+    themselves, so an object that answers any attribute (a mock) is not taken for one."""
+    return isinstance(value, _SUSPENDING)
 
 
 def _awaited(coro: Any) -> Any:
@@ -83,9 +89,9 @@ def _awaited(coro: Any) -> Any:
 def await_chain(coro: Any) -> list[str]:
     """``function (file:line)`` for each suspended frame, outermost first."""
     chain = []
-    seen = 0
-    while coro is not None and seen < 100:
-        seen += 1
+    seen: set[int] = set()  # tasks awaiting each other (a deadlock) form a cycle
+    while _suspends(coro) and id(coro) not in seen and len(seen) < 100:
+        seen.add(id(coro))
         frame = _frame_of(coro)
         code = frame.f_code if frame is not None else None
         if code is step_through.__code__:
@@ -170,7 +176,10 @@ def _report(
         if task is None or task.done():
             lines.append(f"  replica {replica}: finished")
             continue
-        chain = await_chain(task.get_coro())
+        try:
+            chain = await_chain(task.get_coro())
+        except Exception as exc:  # a diagnostic: never lose the report (or later ones)
+            chain = [f"(could not follow its await chain: {exc!r})"]
         lines.append(f"  replica {replica}:")
         lines.extend(f"    {entry}" for entry in chain or ["(not started yet)"])
     lines.append(

@@ -70,6 +70,11 @@ class Tracer:
         """Microseconds since the trace started."""
         return (time.perf_counter_ns() - self._start) / 1000
 
+    def rebased(self, at: float, clock: Tracer) -> float:
+        """``at`` on ``clock``'s timeline (another trace's), on this one's; 0 for a
+        time before this trace began."""
+        return max(0.0, at + (clock._start - self._start) / 1000)
+
     def next_run(self) -> int:
         self._runs += 1
         return self._runs

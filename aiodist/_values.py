@@ -156,9 +156,9 @@ def refuse_structure(value: object, where: str) -> None:
         for leaf in _nest.flatten(value)
     )
     if isinstance(value, dict):  # never an array, distributed or not
-        what = f"dict (keys {', '.join(map(repr, value))})"
+        what = f"a dict (keys {', '.join(map(repr, value))})" if value else "an empty dict"
     elif distributed:  # a list of plain arrays is an array-like, as for NumPy
-        what = f"{type(value).__name__} of {len(value)}"
+        what = f"a {type(value).__name__} of {len(value)}"
     else:
         return
     if distributed:
@@ -167,7 +167,7 @@ def refuse_structure(value: object, where: str) -> None:
     if where == "batch_reduce_to":
         values = "value.values()" if isinstance(value, dict) else "value"
         raise InvalidArgumentError(
-            f"batch_reduce_to: a pair's value is a {what}; each "
+            f"batch_reduce_to: a pair's value is {what}; each "
             f"pair holds one value {one}. Make a pair per value, e.g. "
             f"[(v, destinations) for v in {values}]."
         )
@@ -177,7 +177,7 @@ def refuse_structure(value: object, where: str) -> None:
     else:
         example = f"[await {call} for v in value]"
     raise InvalidArgumentError(
-        f"{where}: value is a {what}; {where} takes one value "
+        f"{where}: value is {what}; {where} takes one value "
         f"{one}. Call it once per value, e.g. {example}."
     )
 

@@ -41,6 +41,7 @@ Example (a test module of yours)::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -155,15 +156,18 @@ async def assert_same_on_replicas(
     Results may be nested structures of arrays. ``rtol`` defaults to what the
     result's dtype can resolve after a change of summation order (1e-2 for
     float16, 1e-5 for float32, 1e-9 for float64, exact for integers), and ``atol``
-    to the same figure: a value that cancels to about zero (a centred sum, a
-    gradient at the optimum) keeps only rounding noise, which no relative
-    tolerance covers. Pass ``atol=0`` to compare relatively only. Returns the
+    to ten times the dtype's resolution (1e-14 for float64) times the largest
+    magnitude in ``batch``: a value that cancels to about zero (a centred sum, a
+    gradient at the optimum) keeps rounding noise on the scale of the data, which
+    no relative tolerance covers. With ``rtol`` given, ``atol`` defaults to 0
+    (``rtol=0``: exact). Returns the
     reference answer; raises ``AssertionError`` naming the replica count that
     differs.
     """
     if not replicas:
         raise InvalidArgumentError("replicas=(); expected at least one replica count.")
     reference, reference_count = None, None
+    scale = _magnitude(batch) if atol is None and rtol is None else 0.0
     for count in replicas:
         strategy = cpu_strategy(count)
         inputs = regroup(split_batch(batch, count), strategy._devices)
@@ -179,18 +183,36 @@ async def assert_same_on_replicas(
                 f"{len(expected)}: the step's result structure depends on the replica count."
             )
         for index, (got, want) in enumerate(zip(leaves, expected, strict=True)):
-            resolution = _default_rtol(np.asarray(want).dtype)
+            dtype = np.asarray(want).dtype
             np.testing.assert_allclose(
                 np.asarray(got),
                 np.asarray(want),
-                rtol=resolution if rtol is None else rtol,
-                atol=resolution if atol is None else atol,
+                rtol=_default_rtol(dtype) if rtol is None else rtol,
+                atol=_default_atol(dtype, scale) if atol is None else atol,
                 err_msg=(
                     f"value {index} of the step's result on {count} replicas differs from "
                     f"{reference_count} replica(s)"
                 ),
             )
     return reference
+
+
+def _magnitude(batch: Any) -> float:
+    """The largest absolute value among the numbers of ``batch`` (0 if none)."""
+    largest = 0.0
+    for leaf in _nest.flatten(batch):
+        array = np.asarray(leaf)
+        if array.size and array.dtype.kind in "biufc":
+            largest = max(largest, float(np.max(np.abs(array))))
+    return largest if math.isfinite(largest) else 0.0
+
+
+def _default_atol(dtype: np.dtype, scale: float) -> float:
+    """Ten times the dtype's resolution (no 1e-9 floor: 1e-14 for float64) times
+    ``scale``, the data's largest magnitude: rounding noise left by cancellation."""
+    if dtype.kind not in "fc":
+        return 0.0
+    return 10 * float(np.finfo(dtype).resolution) * scale
 
 
 def _default_rtol(dtype: np.dtype) -> float:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 
+import numpy as np
 import pytest
 
 import aiodist
@@ -69,9 +71,11 @@ def test_device_objects_are_checked_and_spelled_canonically():
         ("CPU", 1.0, r"index must be a whole number from 0"),
         ("CPU", True, r"index must be a whole number from 0"),
         ("GPU", "0", r"index must be a whole number from 0"),
+        ("GPU", np.array([1]), r"index must be a whole number from 0"),
     ]:
         with pytest.raises(
-            aiodist.DeviceError, match=rf"Device\(kind={kind!r}, index={index!r}\): {complaint}"
+            aiodist.DeviceError,
+            match=re.escape(f"Device(kind={kind!r}, index={index!r}): ") + complaint,
         ):
             aiodist.Device(kind, index)
 

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -326,10 +327,10 @@ async def test_a_failed_collective_has_its_wait_span(tmp_path, two):
     assert not any(e["name"] == "all_reduce #0" for e in events)  # it never ran
 
 
-async def test_a_wait_is_timed_on_the_clock_of_the_trace_it_began_in(tmp_path, two):
+async def test_a_wait_across_two_traces_goes_to_the_second_on_its_clock(tmp_path, two):
     # A trace that stops while a replica waits, and another that starts before the
-    # call completes: the wait belongs to the first (lost with it), not the second
-    # with a start from the first one's clock.
+    # call completes: the wait is in the second, from its start (it began before),
+    # not with a start from the first one's clock (0.1 s ahead).
     go = asyncio.Event()
 
     async def step():
@@ -343,14 +344,39 @@ async def test_a_wait_is_timed_on_the_clock_of_the_trace_it_began_in(tmp_path, t
         run = asyncio.create_task(two.run(step))
         await asyncio.sleep(0.01)  # replica 0 arrives and waits
     with aiodist.trace(tmp_path / "b.json"):
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.02)
         go.set()
         await run
     events = _validate(json.loads((tmp_path / "b.json").read_text()))
-    waits = [e for e in events if e["name"] == "wait all_reduce #0"]
-    assert [e["tid"] for e in waits] == [2]  # replica 1's, which arrived in B
-    (arrival,) = [e for e in events if e["name"] == "arrive all_reduce #0"]
-    assert waits[0]["ts"] == arrival["ts"] < 0.05e6
+    waits = {e["tid"]: e for e in events if e["name"] == "wait all_reduce #0"}
+    (arrival,) = [e for e in events if e["name"] == "arrive all_reduce #0"]  # replica 1's
+    (collective,) = [e for e in events if e["name"] == "all_reduce #0"]
+    assert waits[1]["ts"] == 0 and waits[2]["ts"] == arrival["ts"] < 0.05e6
+    for wait in waits.values():  # both end as the collective did
+        assert wait["ts"] + wait["dur"] == collective["ts"] + collective["dur"]
+
+
+async def test_a_wait_ends_when_its_collective_completes_not_when_the_loop_gets_to_it(
+    tmp_path, two
+):
+    # The replica completing the call keeps the loop busy before it awaits: the other
+    # replica's wait still ends when the collective did.
+    async def step():
+        ctx = aiodist.get_replica_context()
+        if ctx.replica_id_in_sync_group == 1:
+            await asyncio.sleep(0.01)
+            pending = ctx.all_reduce("sum", 1.0)
+            time.sleep(0.05)  # the point: the loop is busy
+            return await pending
+        return await ctx.all_reduce("sum", 1.0)
+
+    path = tmp_path / "trace.json"
+    with aiodist.trace(path):
+        await two.run(step)
+    events = _validate(json.loads(path.read_text()))
+    (collective,) = [e for e in events if e["name"] == "all_reduce #0"]
+    ends = {e["ts"] + e["dur"] for e in events if e["name"] == "wait all_reduce #0"}
+    assert ends == {collective["ts"] + collective["dur"]}
 
 
 async def test_async_trace_and_one_trace_at_a_time(tmp_path, two):
@@ -464,3 +490,35 @@ async def test_await_chain_goes_through_async_generators_custom_awaitables_and_t
         "through_custom_awaitable": ["through_custom_awaitable", "helper", "stuck_in_io", "wait"],
         "through_a_task": ["through_a_task", "helper", "stuck_in_io", "wait"],
     }
+
+
+async def test_await_chain_ignores_look_alikes():
+    # An awaitable holding an object that answers every attribute (a mock) is not a
+    # coroutine: the chain used to take it for one, and the stall report crashed.
+    from unittest import mock
+
+    from aiodist._stall import await_chain
+
+    future = asyncio.get_running_loop().create_future()
+
+    class Ticket:  # a hand-written awaitable: its own iterator, holding a mock
+        def __init__(self):
+            self.on_done = mock.Mock()
+
+        def __await__(self):
+            return self
+
+        def __next__(self):
+            if not future.done():
+                return next(future.__await__())
+            raise StopIteration(future.result())
+
+    async def holder():
+        return await Ticket()
+
+    task = asyncio.create_task(holder())
+    await asyncio.sleep(0.01)
+    names = [entry.split(" (")[0] for entry in await_chain(task.get_coro())]
+    future.set_result(1)
+    assert await task == 1
+    assert names == ["test_await_chain_ignores_look_alikes.<locals>.holder"]

@@ -174,7 +174,7 @@ async def test_default_tolerance_follows_the_dtype():
 
 async def test_values_that_cancel_to_zero_compare_absolutely_by_default():
     # A centred batch sums to rounding noise (about 1e-16 on either side of 0): no
-    # relative tolerance covers it, so atol defaults to the dtype's figure too.
+    # relative tolerance covers it, so atol defaults to noise on the data's scale.
     batch = np.random.default_rng(1).standard_normal((8, 3))
     batch -= batch.mean(axis=0)
 
@@ -192,3 +192,11 @@ async def test_values_that_cancel_to_zero_compare_absolutely_by_default():
 
     with pytest.raises(AssertionError, match=r"on 2 replicas differs"):
         await assert_same_on_replicas(off_by_a_little, batch, combine="sum")
+
+    async def tiny_but_wrong(rows):  # far above float64 noise on data of this scale
+        return 1e-10 * aiodist.get_replica_context().num_replicas_in_sync
+
+    with pytest.raises(AssertionError, match=r"on 2 replicas differs"):
+        await assert_same_on_replicas(tiny_but_wrong, batch, combine="first")
+    with pytest.raises(AssertionError, match=r"on \d replicas differs"):  # rtol=0: exact
+        await assert_same_on_replicas(loss_sum, batch, combine="sum", rtol=0)
