@@ -193,8 +193,7 @@ class RunGroup:
     _remaining = 0  # replicas still running
     _all_done: asyncio.Future | None = None  # set when none is
     _loop: asyncio.AbstractEventLoop | None = None  # the run's loop, once it runs
-    # Made on first use: replica exits before the rendezvous existed; merge_fn
-    # tasks; (call, replica) -> arrival time while tracing.
+    # Made on first use: replica exits before the rendezvous existed; merge_fn tasks.
     _exits: tuple | list = ()
     _aux: tuple | dict = ()  # task -> coroutines to close if it never starts
     _lane = 0  # this run's lane of tracks in the trace being recorded (see _trace)
@@ -530,7 +529,8 @@ class RunGroup:
             self._count_bytes(name, payloads)
         tracer = _trace.active
         if tracer is None:  # not tracing: straight to the work
-            if self._on_host and name != "merge_call":  # _execute_now's first case
+            if self._on_host and name != "merge_call":  # _execute_now's first case, one
+                # call sooner: with all_reduce's direct arrival, 0.5 us less per (b) step
                 return self._collective(number, signature, payloads)
             return self._execute_now(number, signature, payloads)
         return self._execute_traced(tracer, number, signature, payloads)
@@ -744,12 +744,11 @@ class DefaultGroup(RunGroup):
     """
 
     _closes_rendezvous = False
+    _merge_task: asyncio.Task | None = None  # an async merge_fn's, while arrive() runs
 
     def __init__(self, strategy: Strategy, slots: tuple[ReplicaSlot, ...]):
         super().__init__(strategy, slots)
         self.context = ReplicaContext(strategy, 0, slots[0].device, default_group=self)
-
-    _merge_task: asyncio.Task | None = None  # an async merge_fn's, while arrive() runs
 
     async def run(self, fn: Callable, args: Sequence, kwargs: dict) -> object:
         raise ContextError("the default replica group cannot run functions; use strategy.run.")

@@ -158,7 +158,7 @@ def refuse_structure(value: object, where: str) -> None:
     if isinstance(value, dict):  # never an array, distributed or not
         what = f"a dict (keys {', '.join(map(repr, value))})" if value else "an empty dict"
     elif distributed:  # a list of plain arrays is an array-like, as for NumPy
-        what = f"a {type(value).__name__} of {len(value)}"
+        what = f"a {_describe(value)}"
     else:
         return
     if distributed:

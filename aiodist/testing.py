@@ -207,20 +207,24 @@ def _magnitude(batch: Any) -> float:
     return largest if math.isfinite(largest) else 0.0
 
 
-def _default_atol(dtype: np.dtype, scale: float) -> float:
-    """Ten times the dtype's resolution (no 1e-9 floor: 1e-14 for float64) times
-    ``scale``, the data's largest magnitude: rounding noise left by cancellation."""
+def _noise(dtype: np.dtype) -> float:
+    """Ten times the dtype's resolution (0 for integers): 1e-2 for float16, 1e-5 for
+    float32 and complex64, 1e-14 for float64."""
     if dtype.kind not in "fc":
         return 0.0
-    return 10 * float(np.finfo(dtype).resolution) * scale
+    return 10 * float(np.finfo(dtype).resolution)
+
+
+def _default_atol(dtype: np.dtype, scale: float) -> float:
+    """``_noise`` times ``scale``, the data's largest magnitude: rounding noise left
+    by cancellation."""
+    return _noise(dtype) * scale
 
 
 def _default_rtol(dtype: np.dtype) -> float:
-    """Ten times the dtype's resolution, at least 1e-9: 1e-2 for float16, 1e-5 for
-    float32 and complex64, 1e-9 for float64 and wider."""
-    if dtype.kind not in "fc":
-        return 0.0
-    return max(10 * float(np.finfo(dtype).resolution), 1e-9)
+    """``_noise``, at least 1e-9 for floats (so 1e-9 for float64 and wider)."""
+    noise = _noise(dtype)
+    return max(noise, 1e-9) if noise else 0.0
 
 
 async def _combine(strategy: MirroredStrategy, result: Any, combine: str | ReduceOp) -> Any:
