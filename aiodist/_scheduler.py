@@ -46,7 +46,7 @@ from ._devices import Device
 from ._errors import ContextError, RendezvousTimeoutError, ReplicaExitedError
 from ._options import CommunicationOptions
 from ._rendezvous import Rendezvous, Signature
-from ._replica_context import MergePayload, ReplicaContext
+from ._replica_context import _EMPTY, MergePayload, ReplicaContext
 from ._stall import watchdog_for
 from ._streams import drive
 from ._trace import Tracer, cross_replica_track, replica_track
@@ -673,7 +673,11 @@ class RunGroup:
         merge_fn = payloads[0].merge_fn
         what = "passed to merge_call"
         args = regroup([p.args for p in payloads], self.devices, what=what, path="args")
-        kwargs = regroup([p.kwargs for p in payloads], self.devices, what=what, path="kwargs")
+        kwargs = [p.kwargs for p in payloads]
+        if kwargs.count(_EMPTY) == len(kwargs):  # none passed (a dict compared to {}:
+            kwargs = _EMPTY  # by length first), the usual case: 0.3 us less than regroup
+        else:
+            kwargs = regroup(kwargs, self.devices, what=what, path="kwargs")
         context = self._cross_replica_context()
         try:
             result = context.run(merge_fn, self.strategy, *args, **kwargs)

@@ -483,17 +483,18 @@ async def test_all_gather_rejects_rank0_and_bad_axis(two):
 async def test_merge_fn_runs_once_in_cross_replica_context(strategy, num_replicas):
     calls = []
 
-    def merge_fn(dist, value, *, scale):
+    def merge_fn(dist, value, *, scale, mine):
         calls.append(dist)
         assert aiodist.in_cross_replica_context()
         assert aiodist.get_replica_context() is None
         assert aiodist.get_strategy() is dist
+        assert dist.experimental_local_results(mine) == tuple(range(num_replicas))
         parts = dist.experimental_local_results(value)
         return sum(parts) * scale
 
     async def fn():
         return await aiodist.get_replica_context().merge_call(
-            merge_fn, args=(rid() + 1,), kwargs={"scale": 10}
+            merge_fn, args=(rid() + 1,), kwargs={"scale": 10, "mine": rid()}
         )
 
     result = await strategy.run(fn)
