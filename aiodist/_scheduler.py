@@ -77,6 +77,21 @@ def _awaitable(value: object) -> bool:
 _NBYTES = attrgetter("nbytes")
 
 
+def _close_unstarted(coro: Any, own: bool = True) -> None:
+    """Close ``coro`` (if ``own``), a replica's coroutine that never started, and the
+    coroutines aiodist's wrappers in it were given to await, down to the replica
+    function's own (not further: its arguments are the user's)."""
+    if type(coro) is not CoroutineType or inspect.getcoroutinestate(coro) != inspect.CORO_CREATED:
+        return
+    inner = ()
+    if coro.cr_code in _WRAPPER_CODES:
+        inner = [v for v in inspect.getcoroutinelocals(coro).values() if type(v) is CoroutineType]
+    if own:
+        coro.close()
+    for each in inner:
+        _close_unstarted(each)
+
+
 async def _traced(tracer: Tracer, coro: Any, track: int, run: int) -> Any:
     """A replica's coroutine, recorded as a span on its track (only while tracing)."""
     start = tracer.now()
@@ -156,6 +171,9 @@ async def _plain_replica(
     group._replica_returned(rid)
     return result
 
+
+# The wrappers a replica's coroutine may be made of (see _coroutines).
+_WRAPPER_CODES = frozenset(f.__code__ for f in (_replica, _traced, drive))
 
 _MAY_HOLD_DISTRIBUTED = (DistributedValues, list, tuple, dict)
 
@@ -339,10 +357,14 @@ class RunGroup:
             name = _TASK_NAMES[rid] if rid < len(_TASK_NAMES) else f"aiodist-replica-{rid}"
             if direct:
                 tasks.append(asyncio.Task(coro, loop=loop, name=name))
-            else:  # a custom factory sees the replica's state in the context it gets
-                context = self._base.copy()
-                context.run(set_state, self._state(rid))
+                continue
+            context = self._base.copy()  # a custom factory sees the replica's state in it
+            context.run(set_state, self._state(rid))
+            try:
                 tasks.append(loop.create_task(coro, name=name, context=context))
+            except BaseException:  # the factory failed: no replica has run yet
+                await self._abandon(coroutines)
+                raise
 
         try:
             await all_done
@@ -373,6 +395,22 @@ class RunGroup:
         if n == 1:
             return results[0]
         return regroup(results, self.devices)
+
+    async def _abandon(self, coroutines: list) -> None:
+        """Undo a run whose replica tasks could not all be made (a custom task factory
+        raised): the tasks made are cancelled before their first step and waited for,
+        every replica's coroutine is closed unawaited (so none warns that it never
+        was), and the run leaves no trace lane or statistics entry behind."""
+        made = self._tasks
+        for task in made:
+            task.cancel()
+        for i, coro in enumerate(coroutines):
+            _close_unstarted(coro, own=i >= len(made))  # a task's own: it is cancelled
+        self._free_lane()
+        self.strategy._live_groups.discard(self)
+        self._tasks = []
+        if made:
+            await asyncio.wait(made)
 
     def _replica_returned(self, rid: int) -> None:
         """Replica ``rid``'s function returned (called in its task's last step).
@@ -448,7 +486,7 @@ class RunGroup:
                 coroutines.append(_replica(self, rid, state, coro))
         except BaseException:
             for coro in coroutines:
-                coro.close()
+                _close_unstarted(coro)
             self._free_lane()
             raise
         return coroutines
@@ -649,7 +687,12 @@ class RunGroup:
         if loop.get_task_factory() is None:  # as in run(): no separate set_name()
             task = asyncio.Task(coro, loop=loop, context=context)
         else:
-            task = loop.create_task(coro, context=context)
+            try:
+                task = loop.create_task(coro, context=context)
+            except BaseException:  # the factory failed: nothing will await them
+                for each in (coro, *unstarted):
+                    each.close()
+                raise
         if type(self._aux) is tuple:  # the first merge task of this run
             self._aux = {}
         aux = self._aux

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import contextvars
+import json
 
 import numpy as np
 import pytest
@@ -210,6 +212,69 @@ async def test_a_custom_task_factory_makes_the_replica_tasks_in_their_own_state(
         loop.set_task_factory(None)
     assert float(result) == 1.0  # the merge_fn's one result, on both replicas
     assert seen == [0, 1, None]  # the replicas, then the merge_fn (cross-replica)
+
+
+@pytest.mark.parametrize("tracing", [False, True], ids=["plain", "traced"])
+async def test_a_task_factory_that_raises_leaves_no_replica_behind(tmp_path, tracing):
+    # The factory fails for the third replica: run raises its error, the two replica
+    # tasks already made never run, nothing warns of a coroutine never awaited, and
+    # the strategy (and a trace's lane 0) serves the next run as before.
+    strategy = aiodist.MirroredStrategy(cpu_devices(4))
+    loop = asyncio.get_running_loop()
+    made, started = [], []
+
+    def factory(loop, coro, **kwargs):
+        if len(made) == 2:
+            raise RuntimeError("no more tasks")
+        made.append(asyncio.Task(coro, loop=loop, **kwargs))
+        return made[-1]
+
+    async def fn():
+        started.append(aiodist.get_replica_context().replica_id_in_sync_group)
+        return await aiodist.get_replica_context().all_reduce("sum", 1.0)
+
+    with aiodist.trace(tmp_path / "t.json") if tracing else contextlib.nullcontext():
+        loop.set_task_factory(factory)
+        try:
+            with pytest.raises(RuntimeError, match="no more tasks"):
+                await strategy.run(fn)
+        finally:
+            loop.set_task_factory(None)
+        assert all(task.done() for task in made) and started == []
+        assert strategy.statistics().runs_in_flight == 0
+        result = await strategy.run(fn)
+    assert [float(v) for v in strategy.experimental_local_results(result)] == [4.0] * 4
+    if tracing:
+        tracks = {
+            e["args"]["name"]
+            for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+            if e.get("name") == "thread_name"
+        }
+        assert not any("lane" in track for track in tracks), tracks
+
+
+async def test_a_task_factory_that_raises_for_a_merge_fn_fails_its_merge_call(two):
+    loop = asyncio.get_running_loop()
+
+    def factory(loop, coro, *, context=None, **kwargs):
+        if context.run(aiodist.in_cross_replica_context):  # the merge_fn's task
+            raise RuntimeError("no task for merge_fn")
+        return asyncio.Task(coro, loop=loop, context=context, **kwargs)
+
+    async def merge_fn(strategy, value):
+        return await strategy.reduce("sum", value, axis=None)
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        return await ctx.merge_call(merge_fn, (np.float64(ctx.replica_id_in_sync_group),))
+
+    loop.set_task_factory(factory)
+    try:
+        with pytest.raises(RuntimeError, match="no task for merge_fn"):
+            await two.run(fn)
+    finally:
+        loop.set_task_factory(None)
+    assert float(await two.run(fn)) == 1.0
 
 
 async def test_cancelling_the_caller_cancels_every_replica(three):
