@@ -502,6 +502,22 @@ async def test_merge_fn_runs_once_in_cross_replica_context(strategy, num_replica
     assert result == 10 * num_replicas * (num_replicas + 1) // 2
 
 
+async def test_merge_call_passes_keywords_of_a_dict_that_claims_to_equal_any(two):
+    class AlwaysEqual(dict):  # a dict subclass with an __eq__ of its own
+        def __eq__(self, other):
+            return True
+
+        __hash__ = None
+
+    async def fn():
+        keywords = AlwaysEqual(scale=rid() + 1)
+        return await aiodist.get_replica_context().merge_call(
+            lambda strategy, **kw: sorted(kw), kwargs=keywords
+        )
+
+    assert await two.run(fn) == ["scale"]
+
+
 async def test_merge_call_identical_args_stay_single(two):
     seen = {}
     shared = object()

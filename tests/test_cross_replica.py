@@ -48,8 +48,10 @@ async def test_reduce_of_numpy_scalars_matches_0d_arrays(num_replicas, dtype, op
     # result must have the bytes and dtype of the general path's (0-d arrays), int8
     # sums wrapping and int means in float64, and be a new writable array.
     strategy = aiodist.MirroredStrategy(cpu_devices(num_replicas))
-    big = 100 if dtype in (np.int8, np.uint64) else 1e4
-    values = [dtype(big if r == 0 else 0.3 + r / 7) for r in range(num_replicas)]
+    if dtype in (np.int8, np.uint64):  # sums and products wrap around
+        values = [np.iinfo(dtype).max - dtype(r) for r in range(num_replicas)]
+    else:
+        values = [dtype(1e4 if r == 0 else 0.3 + r / 7) for r in range(num_replicas)]
     if dtype == np.complex64:
         values = [v + dtype(0.001j * r) for r, v in enumerate(values)]
     scalars, arrays = aiodist.PerReplica(values), aiodist.PerReplica(list(map(np.asarray, values)))
@@ -68,10 +70,15 @@ async def test_reduce_of_numpy_scalars_checks_them_and_uses_the_strategys_ops(tw
     mixed = aiodist.PerReplica([np.float32(1), np.float64(2)])
     with pytest.raises(ValueError, match=r"differ in shape or dtype \(replica 0: float32"):
         await two.reduce("sum", mixed, axis=None)
-    halving = aiodist.ReductionToOneDevice(accumulation_fn=lambda xs: sum(xs) / 2)
-    strategy = aiodist.MirroredStrategy(cpu_devices(2), cross_device_ops=halving)
+
+    class Halving(aiodist.ReductionToOneDevice):  # reduces its own way
+        def _reduce_arrays(self, op, arrays, target):
+            return np.asarray(super()._reduce_arrays(op, arrays, target) / 2)
+
     ones = aiodist.PerReplica([np.float32(1), np.float32(1)])
-    assert float(await strategy.reduce("sum", ones, axis=None)) == 1.0
+    for ops in Halving(), aiodist.ReductionToOneDevice(accumulation_fn=lambda xs: sum(xs) / 2):
+        strategy = aiodist.MirroredStrategy(cpu_devices(2), cross_device_ops=ops)
+        assert float(await strategy.reduce("sum", ones, axis=None)) == 1.0
     with pytest.raises(ValueError, match="3 values was passed to a strategy with 2"):
         await two.reduce("sum", aiodist.PerReplica([np.float32(1)] * 3), axis=None)
 

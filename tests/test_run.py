@@ -214,19 +214,39 @@ async def test_a_custom_task_factory_makes_the_replica_tasks_in_their_own_state(
     assert seen == [0, 1, None]  # the replicas, then the merge_fn (cross-replica)
 
 
+async def _instrumented(coro):
+    return await coro
+
+
+# How a task factory makes the tasks it does make: as asyncio does; around a wrapper
+# of its own (instrumentation); eagerly (Python 3.12+: the first step runs at once).
+_FACTORY_KINDS = {
+    "task": lambda loop, coro, **kwargs: asyncio.Task(coro, loop=loop, **kwargs),
+    "wrapping": lambda loop, coro, **kwargs: asyncio.Task(_instrumented(coro), loop=loop, **kwargs),
+    "eager": getattr(asyncio, "eager_task_factory", None),
+}
+
+
+@pytest.mark.parametrize("kind", list(_FACTORY_KINDS))
 @pytest.mark.parametrize("tracing", [False, True], ids=["plain", "traced"])
-async def test_a_task_factory_that_raises_leaves_no_replica_behind(tmp_path, tracing):
-    # The factory fails for the third replica: run raises its error, the two replica
-    # tasks already made never run, nothing warns of a coroutine never awaited, and
-    # the strategy (and a trace's lane 0) serves the next run as before.
-    strategy = aiodist.MirroredStrategy(cpu_devices(4))
+async def test_a_task_factory_that_raises_leaves_no_replica_behind(tmp_path, caplog, tracing, kind):
+    # The factory fails for the third replica: run raises its error, the replica
+    # tasks already made end (eager ones after their first step, cancelled in their
+    # all-reduce), nothing warns of a coroutine never awaited or reports an error to
+    # the loop, no stall report follows, and the strategy (and a trace's lane 0)
+    # serves the next run as before.
+    if _FACTORY_KINDS[kind] is None:
+        pytest.skip("eager task factories need Python 3.12")
+    options = aiodist.CommunicationOptions(stall_warning_seconds=0.05)
+    strategy = aiodist.MirroredStrategy(cpu_devices(4), communication_options=options)
     loop = asyncio.get_running_loop()
-    made, started = [], []
+    reported, made, started = [], [], []
+    loop.set_exception_handler(lambda loop, context: reported.append(context))
 
     def factory(loop, coro, **kwargs):
         if len(made) == 2:
             raise RuntimeError("no more tasks")
-        made.append(asyncio.Task(coro, loop=loop, **kwargs))
+        made.append(_FACTORY_KINDS[kind](loop, coro, **kwargs))
         return made[-1]
 
     async def fn():
@@ -240,16 +260,18 @@ async def test_a_task_factory_that_raises_leaves_no_replica_behind(tmp_path, tra
                 await strategy.run(fn)
         finally:
             loop.set_task_factory(None)
-        assert all(task.done() for task in made) and started == []
+        assert all(task.done() for task in made)
+        assert started == ([0, 1] if kind == "eager" else [])
         assert strategy.statistics().runs_in_flight == 0
+        assert strategy.statistics().rendezvous_in_flight == ()
+        await asyncio.sleep(0.15)  # stall reports would be due
         result = await strategy.run(fn)
     assert [float(v) for v in strategy.experimental_local_results(result)] == [4.0] * 4
+    assert reported == []
+    assert not [r for r in caplog.records if "has waited" in r.getMessage()]
     if tracing:
-        tracks = {
-            e["args"]["name"]
-            for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]
-            if e.get("name") == "thread_name"
-        }
+        events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+        tracks = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
         assert not any("lane" in track for track in tracks), tracks
 
 

@@ -149,6 +149,42 @@ async def test_scheduler_runs_each_replica_on_its_stream_and_brackets_collective
     assert [kind for kind, _ in backend.cross_replica] == ["begin", "end"] * 4
 
 
+@pytest.mark.parametrize("kind", ["coroutine", "future"])
+async def test_a_task_factory_failing_for_a_merge_fn_ends_its_cross_replica_work(kind):
+    # The merge_fn's coroutine (or the future it returned) runs under wrappers that
+    # put it on the cross streams; with no task for it, all are closed unawaited and
+    # the cross-replica work begun for it is ended, as when merge_fn itself raises.
+    backend = TrackingBackend()
+    group = _tracked_group(backend)
+    loop = asyncio.get_running_loop()
+
+    def factory(loop, coro, *, context=None, **kwargs):
+        if context.run(aiodist.in_cross_replica_context):
+            raise RuntimeError("no task for merge_fn")
+        return asyncio.Task(coro, loop=loop, context=context, **kwargs)
+
+    async def merge_coroutine(strategy):
+        return 1
+
+    def merge_future(strategy):
+        future = loop.create_future()
+        future.set_result(1)
+        return future
+
+    merge_fn = merge_coroutine if kind == "coroutine" else merge_future
+
+    async def fn():
+        return await aiodist.get_replica_context().merge_call(merge_fn)
+
+    loop.set_task_factory(factory)
+    try:
+        with pytest.raises(RuntimeError, match="no task for merge_fn"):
+            await group.run(fn, (), {})
+    finally:
+        loop.set_task_factory(None)
+    assert [kind for kind, _ in backend.cross_replica] == ["begin", "end"]
+
+
 async def test_replicas_of_another_backend_place_numpy_scalars_with_it():
     async def fn():
         return await aiodist.get_replica_context().all_reduce("sum", np.float32(1))
