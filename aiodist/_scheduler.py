@@ -540,7 +540,12 @@ class RunGroup:
             if task is not current and not task.done():
                 task.cancel()
         for task, unstarted in tuple(self._aux.items()) if self._aux else ():
-            if unstarted and inspect.getcoroutinestate(task.get_coro()) == inspect.CORO_CREATED:
+            if (
+                unstarted
+                and not task.done()  # (get_coro() of an eager task done is None, or
+                # crashes Python 3.12.1)
+                and inspect.getcoroutinestate(task.get_coro()) == inspect.CORO_CREATED
+            ):
                 # Cancelled before its first step (the run failed as the last replica
                 # arrived): merge_fn's coroutine is never awaited; closed, Python does
                 # not warn about it.
@@ -696,6 +701,9 @@ class RunGroup:
         ``unstarted``: coroutines ``coro`` would await, closed by ``_cancel_all`` if
         the task is cancelled before its first step (never awaited otherwise)."""
         loop = self._loop or get_running_loop()
+        if type(self._aux) is tuple:  # the first merge task of this run (made before the
+            self._aux = {}  # task: an eager task factory's may run to its end at once)
+        aux = self._aux
         if loop.get_task_factory() is None:  # as in run(): no separate set_name()
             task = asyncio.Task(coro, loop=loop, context=context)
         else:
@@ -705,9 +713,8 @@ class RunGroup:
                 for each in (coro, *unstarted):
                     _close_unstarted(each)
                 raise
-        if type(self._aux) is tuple:  # the first merge task of this run
-            self._aux = {}
-        aux = self._aux
+        if task.done():  # run to its end by an eager task factory: nothing to wait for
+            return task
         aux[task] = unstarted
         if not untracks:
             task.add_done_callback(lambda done: aux.pop(done, None))

@@ -281,6 +281,48 @@ async def test_a_task_factory_that_raises_leaves_no_replica_behind(tmp_path, cap
         assert not any("lane" in track for track in tracks), tracks
 
 
+async def test_runs_under_an_eager_task_factory(three):
+    # Python 3.12+: with asyncio's eager task factory a replica's (or a merge_fn's)
+    # first step runs inside create_task, so a replica may arrive, or a merge_fn end,
+    # before the run has made the next task. (A merge_fn that ended there used to
+    # raise AttributeError, and the failure that followed crashed Python 3.12.1.)
+    if not _FACTORY_KINDS["eager"]:
+        pytest.skip("eager task factories need Python 3.12")
+    loop = asyncio.get_running_loop()
+    loop.set_task_factory(_FACTORY_KINDS["eager"])
+
+    async def merge_fn(strategy, value):
+        return await strategy.reduce("sum", value, axis=None)
+
+    async def step(kind):
+        ctx = aiodist.get_replica_context()
+        r = ctx.replica_id_in_sync_group
+        if kind == "merge":
+            return await ctx.merge_call(merge_fn, args=(np.float32(r),))
+        if kind == "raise" and r == 0:
+            raise KeyError("replica 0")
+        if kind == "skip" and r == 2:
+            return None
+        if kind == "sleep":
+            await asyncio.sleep(0.001)
+        return await ctx.all_reduce("sum", np.float32(r + 1))
+
+    try:
+        assert float(await three.run(step, ("merge",))) == 3.0
+        assert [
+            float(v) for v in three.experimental_local_results(await three.run(step, ("sum",)))
+        ] == [6.0] * 3
+        with pytest.raises(KeyError, match="replica 0"):
+            await three.run(step, ("raise",))
+        with pytest.raises(aiodist.ReplicaExitedError, match="replica 2 returned without"):
+            await three.run(step, ("skip",))
+        results = await asyncio.gather(*(three.run(step, ("sleep",)) for _ in range(8)))
+        assert {float(v) for r in results for v in three.experimental_local_results(r)} == {6.0}
+    finally:
+        loop.set_task_factory(None)
+    assert three.statistics().runs_in_flight == 0 and not _own_tasks()
+
+
 async def test_a_task_factory_that_raises_for_a_merge_fn_fails_its_merge_call(two):
     loop = asyncio.get_running_loop()
 
