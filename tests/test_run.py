@@ -17,6 +17,16 @@ from tests.conftest import cpu_devices, wait_until
 Pair = collections.namedtuple("Pair", "a b")
 
 
+async def _reduce_in_merge_fn(strategy, value):
+    return await strategy.reduce("sum", value, axis=None)
+
+
+async def _merge_replica_ids():
+    """A replica function: an async merge_fn's sum of the replica ids."""
+    ctx = aiodist.get_replica_context()
+    return await ctx.merge_call(_reduce_in_merge_fn, (np.float64(ctx.replica_id_in_sync_group),))
+
+
 def _own_tasks() -> set[asyncio.Task]:
     return {t for t in asyncio.all_tasks() if t.get_name().startswith("aiodist-replica")}
 
@@ -198,16 +208,9 @@ async def test_a_custom_task_factory_makes_the_replica_tasks_in_their_own_state(
         seen.append(None if ctx is None else ctx.replica_id_in_sync_group)
         return asyncio.Task(coro, loop=loop, context=context, **kwargs)
 
-    async def merge_fn(strategy, value):
-        return await strategy.reduce("sum", value, axis=None)
-
-    async def fn():
-        ctx = aiodist.get_replica_context()
-        return await ctx.merge_call(merge_fn, (np.float64(ctx.replica_id_in_sync_group),))
-
     loop.set_task_factory(factory)
     try:
-        result = await two.run(fn)
+        result = await two.run(_merge_replica_ids)
     finally:
         loop.set_task_factory(None)
     assert float(result) == 1.0  # the merge_fn's one result, on both replicas
@@ -291,14 +294,11 @@ async def test_runs_under_an_eager_task_factory(three):
     loop = asyncio.get_running_loop()
     loop.set_task_factory(_FACTORY_KINDS["eager"])
 
-    async def merge_fn(strategy, value):
-        return await strategy.reduce("sum", value, axis=None)
-
     async def step(kind):
         ctx = aiodist.get_replica_context()
         r = ctx.replica_id_in_sync_group
         if kind == "merge":
-            return await ctx.merge_call(merge_fn, args=(np.float32(r),))
+            return await _merge_replica_ids()
         if kind == "raise" and r == 0:
             raise KeyError("replica 0")
         if kind == "skip" and r == 2:
@@ -331,20 +331,13 @@ async def test_a_task_factory_that_raises_for_a_merge_fn_fails_its_merge_call(tw
             raise RuntimeError("no task for merge_fn")
         return asyncio.Task(coro, loop=loop, context=context, **kwargs)
 
-    async def merge_fn(strategy, value):
-        return await strategy.reduce("sum", value, axis=None)
-
-    async def fn():
-        ctx = aiodist.get_replica_context()
-        return await ctx.merge_call(merge_fn, (np.float64(ctx.replica_id_in_sync_group),))
-
     loop.set_task_factory(factory)
     try:
         with pytest.raises(RuntimeError, match="no task for merge_fn"):
-            await two.run(fn)
+            await two.run(_merge_replica_ids)
     finally:
         loop.set_task_factory(None)
-    assert float(await two.run(fn)) == 1.0
+    assert float(await two.run(_merge_replica_ids)) == 1.0
 
 
 async def test_cancelling_the_caller_cancels_every_replica(three):
