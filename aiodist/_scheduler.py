@@ -355,22 +355,27 @@ class RunGroup:
         # (about 0.4 us per replica per run).
         direct = loop.get_task_factory() is None
         tasks = self._tasks
-        for slot, coro in zip(self.slots, coroutines, strict=True):
-            rid = slot.replica_id
-            name = _TASK_NAMES[rid] if rid < len(_TASK_NAMES) else f"aiodist-replica-{rid}"
-            if direct:
-                tasks.append(asyncio.Task(coro, loop=loop, name=name))
-                continue
-            context = self._base.copy()  # a custom factory sees the replica's state in it
-            context.run(set_state, self._state(rid))
-            try:
-                tasks.append(loop.create_task(coro, name=name, context=context))
-            except BaseException:  # the factory failed: no replica has run yet
-                await self._abandon(coroutines)
-                raise
-
         try:
-            await all_done
+            for slot, coro in zip(self.slots, coroutines, strict=True):
+                rid = slot.replica_id
+                name = _TASK_NAMES[rid] if rid < len(_TASK_NAMES) else f"aiodist-replica-{rid}"
+                if direct:
+                    tasks.append(asyncio.Task(coro, loop=loop, name=name))
+                    continue
+                context = self._base.copy()  # a custom factory sees the replica's state in it
+                context.run(set_state, self._state(rid))
+                try:
+                    tasks.append(loop.create_task(coro, name=name, context=context))
+                except BaseException as exc:  # the factory failed: the run fails with its
+                    self._failure = exc  # error, as when a replica raises (the tasks made
+                    self._cancel_all()  # have not run, unless the factory is eager)
+                    # Close what will never start: the coroutines no task holds, and
+                    # those beneath what a task holds (gone from reach once it ends).
+                    for i, each in enumerate(coroutines):
+                        _close_unstarted(each, own=i >= len(tasks))
+                    break
+            else:
+                await all_done
             if self._cancelling or self._aux:  # replicas cancelled after a failure, or
                 await self._drain()  # merge_fns still running for collectives nobody awaited
         except asyncio.CancelledError:
@@ -379,6 +384,9 @@ class RunGroup:
             raise
         finally:
             self._finished = True
+            if len(tasks) < n:  # the task factory failed: a coroutine a task was given
+                for coro in coroutines:  # may still be unstarted, if the factory wrapped
+                    _close_unstarted(coro)  # it in one of its own
             if self._lane_tracer is not None:  # only while tracing
                 self._free_lane()
             strategy._live_groups.discard(self)
@@ -398,31 +406,6 @@ class RunGroup:
         if n == 1:
             return results[0]
         return regroup(results, self.devices)
-
-    async def _abandon(self, coroutines: list) -> None:
-        """Undo a run whose replica tasks could not all be made (a custom task factory
-        raised): the tasks made are cancelled (before their first step, unless the
-        factory is eager) and waited for, every replica coroutine that never started
-        is closed (so none warns that it was never awaited), and the run leaves no
-        trace lane, statistics entry or rendezvous for the stall watchdog behind."""
-        made = self._tasks
-        for task in made:
-            task.cancel()
-        for i, coro in enumerate(coroutines):
-            _close_unstarted(coro, own=i >= len(made))  # a task's own: it is cancelled
-        self._free_lane()
-        self.strategy._live_groups.discard(self)
-        try:
-            if made:
-                await asyncio.wait(made)
-        finally:
-            for coro in coroutines[: len(made)]:  # a factory may have wrapped it: its
-                _close_unstarted(coro)  # task was cancelled, but it is still unstarted
-            self._finished = True
-            self._tasks = []
-            if self._rendezvous is not None:  # an eager task factory started some
-                self._rendezvous.close(quiet=True)
-                self._watchdog.groups.discard(self)
 
     def _replica_returned(self, rid: int) -> None:
         """Replica ``rid``'s function returned (called in its task's last step).
