@@ -268,6 +268,13 @@ class CrossDeviceOps:
             return self._all_reduce_flat(op, per_replica, devices, options, streams)
         return self._all_reduce_flat(op, per_replica, devices, options, streams, layout)
 
+    def _host_scalars_by_arithmetic(self) -> bool:
+        """Whether NumPy scalars on the host may be combined by scalar arithmetic
+        (``scalar_total``) instead of through ``_reduce_arrays``: only by
+        ``ReductionToOneDevice`` itself, with its default sum, reducing where the
+        values are (the replicas' all-reduce and ``strategy.reduce`` both ask)."""
+        return False
+
     def _batches_its_own_way(self) -> bool:
         """Whether a subclass overrides ``_all_reduce_flat`` (NCCL does) instead of
         using the packing one of this class."""
@@ -502,9 +509,7 @@ class ReductionToOneDevice(CrossDeviceOps):
         streams: Sequence[Any] = (),
     ) -> list:
         if (
-            type(self) is ReductionToOneDevice  # a subclass may reduce its own way
-            and self.accumulation_fn is None
-            and self.reduce_to_device is None
+            self._host_scalars_by_arithmetic()
             and isinstance(arrays[0], np.generic)
             and (devices is self._host_devices or self._on_host(devices))
         ):
@@ -515,6 +520,13 @@ class ReductionToOneDevice(CrossDeviceOps):
             total = scalar_total(_NUMPY_UFUNCS[op], arrays, op._row.divide_by_count)
             return _scalar_views(total, len(devices))
         return super()._all_reduce_one(op, arrays, devices, options, streams)
+
+    def _host_scalars_by_arithmetic(self) -> bool:
+        return (
+            type(self) is ReductionToOneDevice  # a subclass may reduce its own way
+            and self.accumulation_fn is None
+            and self.reduce_to_device is None
+        )
 
     def _on_host(self, devices: Sequence[Device]) -> bool:
         if _all_cpu(devices):

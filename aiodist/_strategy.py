@@ -467,9 +467,7 @@ class Strategy:
         if (
             kind not in _NUMERIC_SCALARS
             or not 1 < len(parts) == len(self._slots)
-            or type(ops) is not ReductionToOneDevice
-            or ops.accumulation_fn is not None
-            or ops.reduce_to_device is not None
+            or not ops._host_scalars_by_arithmetic()
             or not all(type(part) is kind for part in parts)
         ):
             return None
