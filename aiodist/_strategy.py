@@ -37,6 +37,7 @@ from ._options import CommunicationOptions
 from ._replica_context import (
     _EMPTY,
     _NUMERIC_SCALARS,
+    _REDUCIBLE,
     ReplicaContext,
     _keywords,
     _positional,
@@ -54,8 +55,6 @@ __all__ = [
     "ready",
 ]
 
-# (op, NumPy scalar type) pairs that strategy.reduce has checked reducible.
-_SCALARS_CHECKED: set[tuple[ReduceOp, type]] = set()
 _HOST_KINDS = frozenset({np.ndarray, *np.sctypeDict.values()})  # NumPy arrays and scalars
 
 
@@ -471,9 +470,10 @@ class Strategy:
             or not all(type(part) is kind for part in parts)
         ):
             return None
-        if (op, kind) not in _SCALARS_CHECKED:
+        reducible, dtype = _REDUCIBLE[op], parts[0].dtype
+        if dtype not in reducible:  # checked once per op and dtype, as all_reduce does
             check_reducible(op, parts[0], "reduce")
-            _SCALARS_CHECKED.add((op, kind))
+            reducible.add(dtype)
         return combine_scalars(_NUMPY_UFUNCS[op], parts, op._row.divide_by_count)
 
     async def gather(self, value: Any, axis: int) -> Any:
