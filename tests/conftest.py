@@ -47,6 +47,17 @@ def run_demo(*flags: str, timeout: float = 60) -> subprocess.CompletedProcess:
     )
 
 
+@contextlib.contextmanager
+def task_factory(factory):
+    """The running loop makes its tasks with ``factory`` inside the block."""
+    loop = asyncio.get_running_loop()
+    loop.set_task_factory(factory)
+    try:
+        yield
+    finally:
+        loop.set_task_factory(None)
+
+
 @contextlib.asynccontextmanager
 async def loop_lag(period: float = 0.005):
     """While the block runs, a task sleeps ``period`` seconds again and again; yields

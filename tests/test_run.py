@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import aiodist
-from tests.conftest import cpu_devices, wait_until
+from tests.conftest import cpu_devices, task_factory, wait_until
 
 Pair = collections.namedtuple("Pair", "a b")
 
@@ -199,7 +199,6 @@ async def test_replica_exception_while_others_wait_in_collective(three):
 
 
 async def test_a_custom_task_factory_makes_the_replica_tasks_in_their_own_state(two):
-    loop = asyncio.get_running_loop()
     seen = []
 
     def factory(loop, coro, *, context=None, **kwargs):
@@ -208,11 +207,8 @@ async def test_a_custom_task_factory_makes_the_replica_tasks_in_their_own_state(
         seen.append(None if ctx is None else ctx.replica_id_in_sync_group)
         return asyncio.Task(coro, loop=loop, context=context, **kwargs)
 
-    loop.set_task_factory(factory)
-    try:
+    with task_factory(factory):
         result = await two.run(_merge_replica_ids)
-    finally:
-        loop.set_task_factory(None)
     assert float(result) == 1.0  # the merge_fn's one result, on both replicas
     assert seen == [0, 1, None]  # the replicas, then the merge_fn (cross-replica)
 
@@ -263,12 +259,8 @@ async def test_a_task_factory_that_raises_leaves_no_replica_behind(tmp_path, cap
         return await aiodist.get_replica_context().all_reduce("sum", 1.0)
 
     with aiodist.trace(tmp_path / "t.json") if tracing else contextlib.nullcontext():
-        loop.set_task_factory(factory)
-        try:
-            with pytest.raises(RuntimeError, match="no more tasks"):
-                await strategy.run(fn)
-        finally:
-            loop.set_task_factory(None)
+        with task_factory(factory), pytest.raises(RuntimeError, match="no more tasks"):
+            await strategy.run(fn)
         assert all(task.done() for task in made)
         assert started == ([0, 1] if kind == "eager" else [])
         assert strategy.statistics().runs_in_flight == 0
@@ -291,8 +283,6 @@ async def test_runs_under_an_eager_task_factory(three):
     # raise AttributeError, and the failure that followed crashed Python 3.12.1.)
     if not _FACTORY_KINDS["eager"]:
         pytest.skip("eager task factories need Python 3.12")
-    loop = asyncio.get_running_loop()
-    loop.set_task_factory(_FACTORY_KINDS["eager"])
 
     async def step(kind):
         ctx = aiodist.get_replica_context()
@@ -307,7 +297,7 @@ async def test_runs_under_an_eager_task_factory(three):
             await asyncio.sleep(0.001)
         return await ctx.all_reduce("sum", np.float32(r + 1))
 
-    try:
+    with task_factory(_FACTORY_KINDS["eager"]):
         assert float(await three.run(step, ("merge",))) == 3.0
         assert [
             float(v) for v in three.experimental_local_results(await three.run(step, ("sum",)))
@@ -318,25 +308,17 @@ async def test_runs_under_an_eager_task_factory(three):
             await three.run(step, ("skip",))
         results = await asyncio.gather(*(three.run(step, ("sleep",)) for _ in range(8)))
         assert {float(v) for r in results for v in three.experimental_local_results(r)} == {6.0}
-    finally:
-        loop.set_task_factory(None)
     assert three.statistics().runs_in_flight == 0 and not _own_tasks()
 
 
 async def test_a_task_factory_that_raises_for_a_merge_fn_fails_its_merge_call(two):
-    loop = asyncio.get_running_loop()
-
     def factory(loop, coro, *, context=None, **kwargs):
         if context.run(aiodist.in_cross_replica_context):  # the merge_fn's task
             raise RuntimeError("no task for merge_fn")
         return asyncio.Task(coro, loop=loop, context=context, **kwargs)
 
-    loop.set_task_factory(factory)
-    try:
-        with pytest.raises(RuntimeError, match="no task for merge_fn"):
-            await two.run(_merge_replica_ids)
-    finally:
-        loop.set_task_factory(None)
+    with task_factory(factory), pytest.raises(RuntimeError, match="no task for merge_fn"):
+        await two.run(_merge_replica_ids)
     assert float(await two.run(_merge_replica_ids)) == 1.0
 
 

@@ -18,6 +18,7 @@ from aiodist._backends import CpuBackend
 from aiodist._devices import Device
 from aiodist._scheduler import ReplicaSlot, RunGroup
 from aiodist._streams import drive
+from tests.conftest import task_factory
 
 
 class TrackingBackend(CpuBackend):
@@ -176,12 +177,8 @@ async def test_a_task_factory_failing_for_a_merge_fn_ends_its_cross_replica_work
     async def fn():
         return await aiodist.get_replica_context().merge_call(merge_fn)
 
-    loop.set_task_factory(factory)
-    try:
-        with pytest.raises(RuntimeError, match="no task for merge_fn"):
-            await group.run(fn, (), {})
-    finally:
-        loop.set_task_factory(None)
+    with task_factory(factory), pytest.raises(RuntimeError, match="no task for merge_fn"):
+        await group.run(fn, (), {})
     assert [kind for kind, _ in backend.cross_replica] == ["begin", "end"]
 
 
