@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import aiodist
@@ -30,6 +31,13 @@ def pytest_asyncio_loop_factories(config, item):
 
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def scalar_cases(dtypes, ops) -> list[tuple]:
+    """(dtype, op) pairs for tests comparing scalar reductions with array ones, but
+    complex products: NumPy's vector loop multiplies complex numbers otherwise than
+    its scalar one."""
+    return [(d, op) for d in dtypes for op in ops if not (d == np.complex64 and op == "product")]
 
 
 def cpu_devices(n: int) -> list[str]:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import aiodist
-from tests.conftest import wait_until
+from tests.conftest import scalar_cases, wait_until
 
 
 def rid() -> int:
@@ -102,13 +102,10 @@ async def test_a_numpy_scalar_type_seen_before_is_checked_as_a_new_one_is(two):
 
 @pytest.mark.parametrize(
     ("dtype", "op"),
-    [
-        (dtype, op)
-        for dtype in (np.float16, np.float32, np.float64, np.complex64, np.int8)
-        for op in ("sum", "mean", "product", "min")
-        # NumPy's vector loop multiplies complex numbers otherwise than its scalar one
-        if (dtype, op) != (np.complex64, "product")
-    ],
+    scalar_cases(
+        (np.float16, np.float32, np.float64, np.complex64, np.int8),
+        ("sum", "mean", "product", "min"),
+    ),
 )
 @pytest.mark.parametrize("num_replicas", [1, 2, 3, 8, 9])
 @pytest.mark.parametrize("arrays_on", [1, 0], ids=["odd-0d", "even-0d"])

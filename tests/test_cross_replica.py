@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import aiodist
-from tests.conftest import cpu_devices
+from tests.conftest import cpu_devices, scalar_cases
 
 
 def per_replica(strategy, fn):
@@ -32,12 +32,9 @@ async def test_reduce_without_axis(strategy, num_replicas):
 @pytest.mark.parametrize(
     ("dtype", "op"),
     [
-        *(
-            (dtype, op)
-            for dtype in (np.float16, np.float32, np.complex64, np.int8, np.uint64)
-            for op in ("sum", "mean", "product", "max")
-            # NumPy's vector loop multiplies complex numbers otherwise than its scalar one
-            if (dtype, op) != (np.complex64, "product")
+        *scalar_cases(
+            (np.float16, np.float32, np.complex64, np.int8, np.uint64),
+            ("sum", "mean", "product", "max"),
         ),
         (np.bool_, "min"),
     ],
