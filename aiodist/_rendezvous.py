@@ -54,7 +54,7 @@ from ._errors import (
     ReplicaExitedError,
 )
 
-__all__ = ["Rendezvous", "Signature"]
+__all__ = ["Rendezvous", "Signature", "Tally"]
 
 _ORDER_HINT = (
     "every replica must make the same collective calls (merge_call, all_reduce, "
@@ -141,6 +141,17 @@ class _Call:
 Execute = Callable[[int, Signature, list], "list | asyncio.Future"]
 
 
+class Tally:
+    """Counts of completed calls: by collective name, and the seconds they waited
+    (from their first arrival to their last), summed."""
+
+    __slots__ = ("collectives", "seconds_waiting")
+
+    def __init__(self) -> None:
+        self.collectives: dict[str, int] = {}
+        self.seconds_waiting = 0.0
+
+
 def _closed(number: int, signature: Signature, payloads: list) -> list:
     raise RendezvousError(f"{signature.name} #{number}: the replica group is closed.")
 
@@ -155,6 +166,7 @@ class Rendezvous:
         watch: Callable[[float], None] | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         keeps_failures: bool = True,
+        tally: Tally | None = None,
     ):
         self.num_replicas = num_replicas
         # The loop every arrival will run on, when the owner knows it (a run does):
@@ -171,10 +183,9 @@ class Rendezvous:
         self._failed: list[_Call] | None = [] if keeps_failures else None
         # Set by close(): its reason, then the error built from it.
         self._closed: str | RendezvousError | None = None
-        # Counters (statistics): completed calls by collective; seconds calls waited
-        # (from their first arrival to their last).
-        self.completed: dict[str, int] = {}
-        self.wait_seconds = 0.0
+        # Where completed calls are counted: the owner's (a strategy's, shared by its
+        # runs, so a run's counts need no adding up when it ends), or its own.
+        self.tally = Tally() if tally is None else tally
 
     def __repr__(self) -> str:
         pending = ", ".join(
@@ -317,9 +328,10 @@ class Rendezvous:
         if call.timer is not None:
             call.timer.cancel()
         name = call.name
-        completed = self.completed
+        tally = self.tally
+        completed = tally.collectives
         completed[name] = completed.get(name, 0) + 1
-        self.wait_seconds += perf_counter() - call.started
+        tally.seconds_waiting += perf_counter() - call.started
         try:
             results = self._execute(call.number, call.first, call.payloads)
         except asyncio.CancelledError as exc:

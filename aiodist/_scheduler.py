@@ -206,7 +206,6 @@ class RunGroup:
     # A run whose replicas never meet creates no rendezvous.
     _rendezvous: Rendezvous | None = None
     _finished = False
-    bytes_reduced = 0  # statistics: input bytes of all-reduces and all-gathers
     _failure: BaseException | None = None
     _cancelling = False  # set once this run cancels its replicas
     _base: contextvars.Context | None = None
@@ -258,6 +257,7 @@ class RunGroup:
                 watchdog.ensure,
                 self._loop,
                 keeps_failures=self._closes_rendezvous,
+                tally=self.strategy._counters,
             )
             # Replicas that returned before any collective (the failed ones are in
             # _exits): their tasks are done, since a replica's task ends in the step
@@ -390,7 +390,7 @@ class RunGroup:
             if self._lane_tracer is not None:  # only while tracing
                 self._free_lane()
             strategy._live_groups.discard(self)
-            strategy._counters.add_run(self)
+            strategy._counters.runs += 1  # (its collectives were counted as they completed)
             if self._rendezvous is not None:
                 # Quiet when the run failed or was cancelled (_cancel_all sets
                 # _cancelling): run raises that, and the failures of collectives a
@@ -628,14 +628,16 @@ class RunGroup:
             backend.end_cross_replica(order, self.slots)
 
     def _count_bytes(self, name: str, payloads: list) -> None:
-        """Statistics: the input bytes of an all-reduce or all-gather."""
+        """Statistics: the input bytes of an all-reduce or all-gather, added to the
+        strategy's totals."""
         first = payloads[0]
         if name == "all_reduce":  # one shape per leaf on every replica
             arrays = first.arrays
             nbytes = arrays[0].nbytes if first.template is None else sum(map(_NBYTES, arrays))
-            self.bytes_reduced += nbytes * self.num_replicas
+            nbytes *= self.num_replicas
         else:  # shapes may differ along the gathered axis
-            self.bytes_reduced += sum(sum(map(_NBYTES, p.arrays)) for p in payloads)
+            nbytes = sum(sum(map(_NBYTES, p.arrays)) for p in payloads)
+        self.strategy._counters.bytes_reduced += nbytes
 
     def _collective(self, number: int, signature: Signature, payloads: list) -> Any:
         ops = self.strategy._extended._cross_device_ops  # not the property: per call

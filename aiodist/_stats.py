@@ -11,6 +11,8 @@ from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+from ._rendezvous import Tally
+
 __all__ = ["Counters", "RendezvousInFlight", "Statistics", "snapshot"]
 
 
@@ -57,40 +59,24 @@ class Statistics:
         )
 
 
-class Counters:
-    """The totals of a strategy's finished runs."""
+class Counters(Tally):
+    """A strategy's totals: finished runs, and what every run has done so far. Its
+    runs' rendezvous count completed calls here as they complete (see ``Tally``),
+    and their input bytes are added here as they are reduced."""
 
-    __slots__ = ("bytes_reduced", "collectives", "runs", "seconds_waiting")
+    __slots__ = ("bytes_reduced", "runs")
 
     def __init__(self) -> None:
+        super().__init__()
         self.runs = 0
-        self.collectives: dict[str, int] = {}
         self.bytes_reduced = 0
-        self.seconds_waiting = 0.0
-
-    def add_run(self, group: Any) -> None:
-        self.runs += 1
-        self.add_totals(group)
-
-    def add_totals(self, group: Any) -> None:
-        """Add what ``group`` (a run, finished or not) has done so far."""
-        rendezvous = group._rendezvous
-        if rendezvous is not None:
-            for name, count in rendezvous.completed.items():
-                self.collectives[name] = self.collectives.get(name, 0) + count
-            self.seconds_waiting += rendezvous.wait_seconds
-        self.bytes_reduced += group.bytes_reduced
 
 
 def snapshot(counters: Counters, live_groups: Iterable[Any], now: float) -> Statistics:
-    """Totals of finished runs plus what the runs still in flight have done so far."""
-    totals = Counters()  # the finished runs' totals, then each live run's added
-    totals.collectives.update(counters.collectives)
-    totals.bytes_reduced, totals.seconds_waiting = counters.bytes_reduced, counters.seconds_waiting
+    """The totals so far, and what the runs in flight are waiting in."""
     in_flight = []
     groups = list(live_groups)
     for group in groups:
-        totals.add_totals(group)
         rendezvous = group._rendezvous
         if rendezvous is None:
             continue
@@ -103,7 +89,7 @@ def snapshot(counters: Counters, live_groups: Iterable[Any], now: float) -> Stat
         runs_in_flight=len(groups),
         rendezvous_in_flight=tuple(in_flight),
         runs=counters.runs,
-        collectives=MappingProxyType(totals.collectives),
-        bytes_reduced=totals.bytes_reduced,
-        seconds_waiting=totals.seconds_waiting,
+        collectives=MappingProxyType(dict(counters.collectives)),
+        bytes_reduced=counters.bytes_reduced,
+        seconds_waiting=counters.seconds_waiting,
     )

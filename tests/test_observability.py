@@ -191,11 +191,29 @@ async def test_statistics_count_every_kind(two):
         await ctx.merge_call(lambda s: None)
 
     await two.run(fn)
+    first = two.statistics()
     await two.run(fn)
     stats = two.statistics()
     assert stats.runs == 2
     assert dict(stats.collectives) == {"all_reduce": 2, "all_gather": 2, "merge_call": 2}
     assert stats.bytes_reduced == 2 * (2 * 2 * 8 + (3 + 4) * 8)
+    # A snapshot keeps its figures while the strategy goes on counting.
+    assert (first.runs, first.collectives["all_reduce"], first.bytes_reduced) == (1, 1, 88)
+
+
+async def test_statistics_of_the_default_strategy_count_its_collectives():
+    # Outside any scope, the default replica context's collectives complete at once;
+    # the default strategy counts them as a strategy counts its runs' collectives.
+    default = aiodist.get_strategy()
+    before = default.statistics()
+    ctx = aiodist.get_replica_context()
+    assert await ctx.all_reduce("sum", np.ones(4, dtype=np.float32)) is not None
+    await ctx.merge_call(lambda strategy: None)
+    after = default.statistics()
+    for name in ("all_reduce", "merge_call"):
+        assert after.collectives.get(name, 0) == before.collectives.get(name, 0) + 1
+    assert after.bytes_reduced == before.bytes_reduced + 16
+    assert after.runs == before.runs  # no run: collectives of the default context
 
 
 # -- traces --------------------------------------------------------------------------
