@@ -16,9 +16,9 @@ Call number ``k`` completes when all ``N`` replicas have arrived at ``k`` with
 equal signatures. Then the group's ``execute(k, signature, payloads)`` runs
 exactly once, with the payloads in replica order. It returns either the list of
 per-replica results, or an ``asyncio.Future`` of that list (cross-replica work
-that must await, such as an ``async`` merge_fn). Each replica's future receives
-its own element. If ``execute`` raises, every replica's future raises that
-exception.
+that must await, such as an ``async`` merge_fn; one already done is delivered at
+once). Each replica's future receives its own element. If ``execute`` raises,
+every replica's future raises that exception.
 
 Never hang
 ----------
@@ -354,7 +354,10 @@ class Rendezvous:
         if type(results) is list:  # the usual case, tested first: one type check
             self._deliver(call, results)
         elif isinstance(results, asyncio.Future):
-            results.add_done_callback(lambda done: self._deliver_later(call, done))
+            if results.done():  # already (an eager task that never suspended)
+                self._deliver_later(call, results)
+            else:
+                results.add_done_callback(lambda done: self._deliver_later(call, done))
         else:
             self._deliver(call, results)
 

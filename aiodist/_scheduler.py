@@ -32,6 +32,7 @@ import asyncio
 import contextvars
 import inspect
 import operator
+import sys
 from asyncio import get_running_loop
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -60,6 +61,8 @@ __all__ = ["ReplicaSlot", "RunGroup"]
 
 
 _TASK_NAMES = tuple(f"aiodist-replica-{i}" for i in range(64))
+# Python 3.12+: an async merge_fn's task starts eagerly (see RunGroup._spawn).
+_EAGER_START = {"eager_start": True} if sys.version_info >= (3, 12) else {}
 _AWAITABLE_BY_TYPE: dict[type, bool] = {}
 
 
@@ -597,9 +600,9 @@ class RunGroup:
                 replicas=self.num_replicas,
             )
 
-        if isinstance(result, asyncio.Future):
+        if isinstance(result, asyncio.Future) and not result.done():
             result.add_done_callback(done)
-        else:
+        else:  # (a done future: an eager merge task, delivered at once)
             done()
         return result
 
@@ -679,18 +682,29 @@ class RunGroup:
         *,
         untracks: bool = False,
         unstarted: tuple = (),
+        eager: bool = False,
     ) -> asyncio.Task:
         """A task doing cross-replica work for this run: cancelled with the run's
         replicas and waited for by ``_drain``. ``untracks``: ``coro`` leaves ``_aux``
         itself when it ends (see ``_merged``); otherwise a done callback does.
         ``unstarted``: coroutines ``coro`` would await, closed by ``_cancel_all`` if
-        the task is cancelled before its first step (never awaited otherwise)."""
+        the task is cancelled before its first step (never awaited otherwise).
+
+        ``eager`` (Python 3.12+, without a custom task factory): the task's first step
+        runs now, inside this call, with the task current, as asyncio's eager tasks
+        do. A merge_fn that never suspends (one reducing host values) is then done
+        before its merge_call returns, and the rendezvous delivers its result at once:
+        no loop turn for the task's first step, none for its done callback (about
+        2.5 us less per merge_call, a tenth of a (c) step)."""
         loop = self._loop or get_running_loop()
         if type(self._aux) is tuple:  # the first merge task of this run (made before the
-            self._aux = {}  # task: an eager task factory's may run to its end at once)
+            self._aux = {}  # task: an eager one may run to its end at once)
         aux = self._aux
         if loop.get_task_factory() is None:  # as in run(): no separate set_name()
-            task = asyncio.Task(coro, loop=loop, context=context)
+            if eager:
+                task = asyncio.Task(coro, loop=loop, context=context, **_EAGER_START)
+            else:
+                task = asyncio.Task(coro, loop=loop, context=context)
         else:
             try:
                 task = loop.create_task(coro, context=context)
@@ -698,7 +712,7 @@ class RunGroup:
                 for each in (coro, *unstarted):
                     _close_unstarted(each)
                 raise
-        if task.done():  # run to its end by an eager task factory: nothing to wait for
+        if task.done():  # run to its end eagerly: nothing to wait for
             return task
         aux[task] = unstarted
         if not untracks:
@@ -735,9 +749,11 @@ class RunGroup:
             issued()
             return self._for_each_replica(result)
 
-        # An async merge_fn runs in a task of its own, never in the step of the
-        # replica that arrived last: asyncio.timeout(), TaskGroup and current_task()
-        # inside it must not reach that replica. The task is what the rendezvous
+        # An async merge_fn runs in a task of its own, never as part of the task of
+        # the replica that arrived last: asyncio.timeout(), TaskGroup and
+        # current_task() inside it must not reach that replica. (On Python 3.12+ its
+        # first step runs eagerly, during that replica's step but with its own task
+        # current: see _spawn.) The task is what the rendezvous
         # waits for: its result is the list of per-replica results.
         coro = result if type(result) is CoroutineType else _await(result)
         if backend is not None:  # each of its steps on the cross streams
@@ -753,7 +769,11 @@ class RunGroup:
         unstarted = (coro, result) if own else (coro,)
         try:
             task = self._spawn(
-                self._merged(number, coro), context, untracks=True, unstarted=unstarted
+                self._merged(number, coro),
+                context,
+                untracks=True,
+                unstarted=unstarted,
+                eager=True,
             )
         except BaseException:
             issued()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import numpy as np
 import pytest
@@ -652,3 +653,25 @@ async def test_async_merge_fn_runs_in_its_own_task(two):
 
     assert await two.run(fn) == "timed out inside merge_fn"
     assert not tasks[0].get_name().startswith("aiodist-replica")
+
+
+async def test_async_merge_fn_that_never_suspends(two):
+    """Python 3.12+: its task starts eagerly, with that task current, so the replicas
+    are answered before the last one's merge_call returns. On 3.11 the task's first
+    step waits for the loop."""
+    merge_tasks, seen = [], {}
+
+    async def merge_fn(strategy, value):
+        merge_tasks.append(asyncio.current_task())
+        return await strategy.reduce("sum", value, axis=None)
+
+    async def fn():
+        pending = aiodist.get_replica_context().merge_call(merge_fn, args=(rid() + 1.0,))
+        seen[rid()] = (pending.done(), asyncio.current_task())
+        return await pending
+
+    assert await two.run(fn) == 3.0  # one result, the same for both
+    eager = sys.version_info >= (3, 12)
+    assert [seen[r][0] for r in (0, 1)] == [False, eager]  # replica 1 arrived last
+    [task] = merge_tasks
+    assert task not in (seen[0][1], seen[1][1]) and task.done()
