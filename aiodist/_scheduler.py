@@ -61,7 +61,8 @@ __all__ = ["ReplicaSlot", "RunGroup"]
 
 
 _TASK_NAMES = tuple(f"aiodist-replica-{i}" for i in range(64))
-# Python 3.12+: an async merge_fn's task starts eagerly (see RunGroup._spawn).
+# Python 3.12+: replica tasks and async merge_fns' tasks start eagerly (see
+# RunGroup.run and RunGroup._spawn).
 _EAGER_START = {"eager_start": True} if sys.version_info >= (3, 12) else {}
 _AWAITABLE_BY_TYPE: dict[type, bool] = {}
 
@@ -355,7 +356,10 @@ class RunGroup:
         strategy._live_groups.add(self)
         # Without a custom task factory, building the Task directly is what
         # loop.create_task does, minus uvloop's separate set_name() call per task
-        # (about 0.4 us per replica per run).
+        # (about 0.4 us per replica per run). On Python 3.12+ it starts eagerly: its
+        # first step runs at once, with its own task current, so replicas that never
+        # suspend are done before this loop ends and the run returns without waiting
+        # for the loop (3.5 us less per (a) step, 1.5 us per (b) step, N = 4).
         direct = loop.get_task_factory() is None
         tasks = self._tasks
         try:
@@ -363,7 +367,7 @@ class RunGroup:
                 rid = slot.replica_id
                 name = _TASK_NAMES[rid] if rid < len(_TASK_NAMES) else f"aiodist-replica-{rid}"
                 if direct:
-                    tasks.append(asyncio.Task(coro, loop=loop, name=name))
+                    tasks.append(asyncio.Task(coro, loop=loop, name=name, **_EAGER_START))
                     continue
                 context = self._base.copy()  # a custom factory sees the replica's state in it
                 context.run(set_state, self._state(rid))

@@ -7,6 +7,7 @@ import collections
 import contextlib
 import contextvars
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -215,6 +216,34 @@ async def test_a_custom_task_factory_makes_the_replica_tasks_in_their_own_state(
 
 async def _instrumented(coro):
     return await coro
+
+
+async def test_replica_tasks_start_eagerly_on_python_312(two):
+    """Python 3.12+ (no task factory): each replica's first step runs inside run(),
+    with its own task current, so replicas that never suspend finish before run()
+    first waits: driven by hand, the run ends at its first step. On 3.11 it waits
+    once, for its replicas' tasks."""
+    caller = asyncio.current_task()
+    seen = {}
+
+    async def fn():
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        seen[rid] = asyncio.current_task()
+        return rid
+
+    run = two.run(fn)
+    waits = 0
+    while True:
+        try:
+            waited = run.send(None)
+        except StopIteration as stop:
+            result = stop.value
+            break
+        waits += 1
+        await asyncio.wait([waited])
+    assert two.experimental_local_results(result) == (0, 1)
+    assert waits == (0 if sys.version_info >= (3, 12) else 1)
+    assert len({seen[0], seen[1], caller}) == 3  # each replica its own task
 
 
 # How a task factory makes the tasks it does make: as asyncio does; around a wrapper
