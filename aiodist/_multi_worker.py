@@ -705,6 +705,7 @@ class _WorkerGroup(RunGroup):
     """A run's local replicas; its collectives continue across workers."""
 
     def _collective(self, number: int, signature: Any, payloads: list) -> Any:
+        self._count_bytes(signature.name, payloads)
         return self._spawn(self._across_workers(number, signature, payloads))
 
     async def _across_workers(self, number: int, signature: Any, payloads: list) -> list:

