@@ -361,9 +361,20 @@ class Rendezvous:
         else:
             self._deliver(call, results)
 
-    @staticmethod
-    def _deliver(call: _Call, results: Sequence[Any]) -> None:
-        for future, result in zip(call.futures, results, strict=True):
+    def _deliver(self, call: _Call, results: Sequence[Any]) -> None:
+        futures = call.futures
+        # Checked here, not by zip(strict=True), whose keyword parsing costs 1.7k
+        # instructions a call (0.2 us).
+        if len(results) != len(futures):
+            self._fail(
+                call,
+                RendezvousError(
+                    f"{call.label}: the cross-replica side returned {len(results)} results "
+                    f"for {len(futures)} replicas (a bug in it: one result per replica)."
+                ),
+            )
+            return
+        for future, result in zip(futures, results):  # noqa: B905 (lengths checked)
             # No done() test first: a try costs nothing until it catches (and
             # contextlib.suppress would cost a context manager per replica).
             try:

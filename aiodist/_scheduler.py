@@ -159,9 +159,10 @@ async def _replica(group: RunGroup, rid: int, state: _State, coro: Any) -> Any:
     except BaseException:
         group._replica_raised(rid)
         raise
-    # group._replica_returned(rid), inlined (once per replica per run)
+    # group._replica_returned(rid, result), inlined (once per replica per run)
     if group._rendezvous is not None:
         group._rendezvous.replica_exited(rid, "returned")
+    group._results[rid] = result
     group._remaining -= 1
     if not group._remaining and not group._all_done.done():
         group._all_done.set_result(None)
@@ -181,7 +182,7 @@ async def _plain_replica(
     except BaseException:
         group._replica_raised(rid)
         raise
-    group._replica_returned(rid)
+    group._replica_returned(rid, result)
     return result
 
 
@@ -363,6 +364,9 @@ class RunGroup:
         self._base = contextvars.copy_context()
         self._all_done = all_done = loop.create_future()
         n = self._remaining = self.num_replicas
+        # Each replica's result, stored by its task as it returns (saves a Task.result()
+        # call per replica).
+        self._results = [None] * n
         coroutines = self._coroutines(fn, args, kwargs)
         strategy = self.strategy
         strategy._live_groups.add(self)
@@ -377,7 +381,9 @@ class RunGroup:
         slots = self.slots
         names = strategy._task_names if slots is strategy._slots else task_names(slots)
         try:
-            for slot, name, coro in zip(slots, names, coroutines, strict=True):
+            # (Equal lengths by construction: zip(strict=True) would parse a keyword
+            # argument on every run.)
+            for slot, name, coro in zip(slots, names, coroutines):  # noqa: B905
                 if direct:
                     tasks.append(_eager_task(coro, loop=loop, name=name))
                     continue
@@ -421,17 +427,18 @@ class RunGroup:
             tasks, self._tasks = self._tasks, []
         if self._failure is not None:
             raise self._failure
-        results = [task.result() for task in tasks]
+        results = self._results
         if n == 1:
             return results[0]
         return regroup(results, self.devices)
 
-    def _replica_returned(self, rid: int) -> None:
-        """Replica ``rid``'s function returned (called in its task's last step).
-        Before any collective there is no rendezvous to tell: it will find the
+    def _replica_returned(self, rid: int, result: object) -> None:
+        """Replica ``rid``'s function returned ``result`` (called in its task's last
+        step). Before any collective there is no rendezvous to tell: it will find the
         replica's task done when it is made (saves a record per replica per run)."""
         if self._rendezvous is not None:
             self._rendezvous.replica_exited(rid, "returned")
+        self._results[rid] = result
         self._remaining -= 1
         if self._remaining == 0 and not self._all_done.done():
             self._all_done.set_result(None)

@@ -56,6 +56,17 @@ async def test_a_wait_its_replica_cancelled_is_skipped_when_the_call_completes()
     assert (await second, await last) == (7, 8)
 
 
+@pytest.mark.parametrize("count", [2, 4])
+async def test_execute_returning_a_result_per_replica_too_few_or_many_fails_every_replica(count):
+    # A bug on the cross-replica side must not leave a replica waiting for ever (or
+    # deliver to some replicas and raise out of the last arrival).
+    rv = Rendezvous(3, lambda number, signature, payloads: list(range(count)))
+    futures = [rv.arrive(r, SUM, r) for r in range(3)]
+    for future in futures:
+        with pytest.raises(RendezvousError, match=rf"sum #0: .*returned {count} results for 3"):
+            await future
+
+
 async def test_calls_are_matched_by_call_number_not_time():
     execute = Recorder()
     rv = Rendezvous(2, execute)
