@@ -67,7 +67,7 @@ def _by_name(variables: Mapping[str, Variable] | Sequence[Variable], where: str)
 
 
 def _require_outside_replicas(where: str) -> None:
-    if _context.current_state().replica is not None:
+    if _context.current_replica() is not None:
         raise ContextError(
             f"{where}() was called inside a replica function; call it in cross-replica "
             "context (outside strategy.run, or in a merge_fn)."

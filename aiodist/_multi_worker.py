@@ -916,7 +916,7 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     async def run(self, fn: Any, args: Any = (), kwargs: Any = None, options: Any = None) -> Any:
         """``Strategy.run``, one run at a time per strategy (the order rule)."""
-        if _context.current_state().replica is not None:  # raises the usual error
+        if _context.current_replica() is not None:  # raises the usual error
             return await super().run(fn, args, kwargs, options)
         loop = asyncio.get_running_loop()
         lock = self._locks.get(loop)

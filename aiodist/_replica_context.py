@@ -39,6 +39,7 @@ __all__ = ["AllGatherPayload", "AllReducePayload", "MergePayload", "ReplicaConte
 
 
 _STATE = _context._STATE
+_REPLICA, _GROUP = _context.REPLICA, _context.GROUP
 _NESTED = (list, tuple, dict)
 _new = tuple.__new__  # builds a NamedTuple in C, without its Python-level __new__
 _SHAPE = operator.attrgetter("shape")
@@ -158,7 +159,7 @@ class ReplicaContext:
         """
         # A per-step hot path too, written like all_reduce's.
         state = _STATE.get()
-        group = state.group if state.replica is self else self._group("merge_call")
+        group = state[_GROUP] if state[_REPLICA] is self else self._group("merge_call")
         if not callable(merge_fn):
             raise InvalidArgumentError(
                 f"merge_call: merge_fn={merge_fn!r} is not callable; expected a function "
@@ -202,7 +203,7 @@ class ReplicaContext:
         # This is the per-step hot path: plain attribute and dict work, C-level
         # tuple construction, and no structure walk for a single array.
         state = _STATE.get()
-        group = state.group if state.replica is self else self._group("all_reduce")
+        group = state[_GROUP] if state[_REPLICA] is self else self._group("all_reduce")
         if options is None and group.numpy_replicas:
             # A NumPy scalar (a loss, a count) seen before with this reduce_op: its op
             # and signature in one lookup, about 0.5 us less per call than below.
@@ -331,10 +332,10 @@ class ReplicaContext:
 
     def _group(self, method: str) -> RunGroup:
         """The run whose replica function is calling ``method``; raises elsewhere."""
-        state = _context.current_state()
-        if state.replica is self:
-            return state.group
-        if self._default_group is not None and state.replica is None and state.strategy is None:
+        _strategy, replica, _, group = _context.current_state()
+        if replica is self:
+            return group
+        if self._default_group is not None and replica is None and _strategy is None:
             return self._default_group
         raise ContextError(
             f"ReplicaContext.{method}() of replica {self._replica_id} was called outside "

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _context, _nest, _trace
 from ._backends import cpu_backend
-from ._context import _new_state, _State, set_state
+from ._context import _State, set_state
 from ._devices import Device
 from ._errors import ContextError, RendezvousTimeoutError, ReplicaExitedError
 from ._options import CommunicationOptions
@@ -268,13 +268,14 @@ class RunGroup:
             watchdog = watchdog_for(loop)
             watchdog.groups.add(self)
             self._watchdog = watchdog
+            # (Positional: keyword arguments to a class cost a dict per call.)
             self._rendezvous = Rendezvous(
                 self.num_replicas,
                 self._execute,
                 watchdog.ensure,
                 self._loop,
-                keeps_failures=self._closes_rendezvous,
-                tally=self.strategy._counters,
+                self._closes_rendezvous,  # keeps_failures
+                self.strategy._counters,  # tally
             )
             # Replicas that returned before any collective (the failed ones are in
             # _exits): their tasks are done, since a replica's task ends in the step
@@ -454,8 +455,8 @@ class RunGroup:
 
     def _state(self, rid: int) -> _State:
         """Replica ``rid``'s context state in this run: ``_context.replica_state``,
-        built in C without that call."""
-        return _new_state(_State, (self.strategy, self.strategy._replica_contexts[rid], True, self))
+        without that call."""
+        return (self.strategy, self.strategy._replica_contexts[rid], True, self)
 
     def _coroutines(self, fn: Callable, args: Sequence, kwargs: dict) -> list:
         """One coroutine per replica (what its task runs), made before any task starts.
@@ -488,10 +489,10 @@ class RunGroup:
                 and self.slots is strategy._slots
             ):
                 # The usual run (an async def on host replicas, arguments for all): one
-                # frame per replica, its state built in C, no slot fields read (a
-                # NamedTuple field costs a generic attribute lookup).
+                # frame per replica, no slot fields read (a NamedTuple field costs an
+                # unspecialised attribute lookup on Python 3.11).
                 for rid, replica in enumerate(strategy._replica_contexts):
-                    state = _new_state(_State, (strategy, replica, True, self))
+                    state = (strategy, replica, True, self)
                     append(_replica(self, rid, state, fn(*args, **kwargs)))
                 return coroutines
             for slot in self.slots:

@@ -223,13 +223,13 @@ class Variable:
     def __new__(cls, *args: Any, **kwargs: Any) -> Variable:
         if cls is Variable:
             state = _context.current_state()
-            if state.replica is not None:
+            if state[_context.REPLICA] is not None:
                 raise ContextError(
                     "aiodist.Variable() was called inside a replica function; create "
                     "variables in cross-replica context, under `with strategy.scope():`, "
                     "and pass them to strategy.run."
                 )
-            if state.strategy is not None:
+            if state[_context.STRATEGY] is not None:
                 sync = member(
                     VariableSynchronization,
                     kwargs.get("synchronization", VariableSynchronization.AUTO),
@@ -278,7 +278,7 @@ class Variable:
                 f"{self._aggregation.name} (a sum of bools is not a bool); use NONE or "
                 "ONLY_FIRST_REPLICA, or an integer dtype."
             )
-        strategy = None if type(self) is Variable else _context.current_state().strategy
+        strategy = None if type(self) is Variable else _context.current_state()[_context.STRATEGY]
         if type(self) is not Variable and strategy is None:
             raise ContextError(
                 f"{type(self).__name__} {self._name!r} was created outside any strategy "
@@ -340,7 +340,7 @@ class Variable:
 
     def _replica_index(self) -> int | None:
         """This replica's copy index inside a replica function of our strategy, else None."""
-        replica = _context.current_state().replica
+        replica = _context.current_replica()
         if replica is None or self._strategy is None or replica.strategy is not self._strategy:
             return None
         return replica._replica_id  # this process's copy (global ids span workers)
