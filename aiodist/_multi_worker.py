@@ -623,6 +623,7 @@ from ._cross_device_ops import (  # noqa: E402
     resolve_destinations,
 )
 from ._options import CommunicationOptions  # noqa: E402
+from ._replica_context import ARRAYS, AXIS, OP, OPTIONS  # noqa: E402
 from ._scheduler import RunGroup  # noqa: E402
 from ._strategy import Strategy, StrategyExtended, _local_parts  # noqa: E402
 from ._values import DistributedValues, PerReplica, refuse_structure  # noqa: E402
@@ -711,31 +712,32 @@ class _WorkerGroup(RunGroup):
     async def _across_workers(self, number: int, signature: Any, payloads: list) -> list:
         strategy = self.strategy
         world = strategy._world
-        first = payloads[0]
-        timeout = first.options.timeout_seconds
+        first = payloads[0]  # (template, arrays, op or axis, options)
+        options = first[OPTIONS]
+        timeout = options.timeout_seconds
         what = f"{signature.text}, call #{number}"
         key = repr((signature.name, signature.key))
-        arrays = [payload.arrays for payload in payloads]
+        arrays = [payload[ARRAYS] for payload in payloads]
         if strategy._nccl is not None:  # GPU replicas: one NCCL call over every worker
             with world.operation():
                 out = await self._nccl_across(first, signature.name, arrays, what, key, timeout)
             return self._per_replica(payloads, out)
         ops = strategy.extended._cross_device_ops
-        devices, options, streams = self.devices, first.options, self.streams
+        devices, streams = self.devices, self.streams
         with world.operation():
             if signature.name == "all_reduce":
                 # The packs decide how many MPI calls are made: they must agree too.
                 packs = f"{key} bytes_per_pack={options.bytes_per_pack}"
                 await world.agree(what, packs, timeout)
                 leaves = await _all_reduce_packs(
-                    world, ops, first.op, arrays, devices, options, what
+                    world, ops, first[OP], arrays, devices, options, what
                 )
             else:
-                local = ops._all_gather_flat(arrays, first.axis, devices, options, streams)[0]
+                local = ops._all_gather_flat(arrays, first[AXIS], devices, options, streams)[0]
                 shapes = [list(leaf.shape) for leaf in local]
                 headers = await world.agree(what, key, timeout, shapes=shapes)
                 leaves = await _gather_leaves(
-                    world, list(local), headers, first.axis, what, timeout
+                    world, list(local), headers, first[AXIS], what, timeout
                 )
         out = [[cpu_backend.shared_view(leaf) for leaf in leaves] for _ in payloads]
         return self._per_replica(payloads, out)
@@ -752,21 +754,21 @@ class _WorkerGroup(RunGroup):
         if name == "all_reduce":
             # The packs decide how many NCCL calls are made: they must agree too.
             packs = self.strategy.extended._cross_device_ops.num_packs
-            key = f"{key} packs={packs},{first.options.bytes_per_pack}"
+            key = f"{key} packs={packs},{first[OPTIONS].bytes_per_pack}"
             await world.agree(what, key, timeout)
             with world.issuing(what):
                 return _cuda.all_reduce(
-                    first.op,
+                    first[OP],
                     arrays,
                     self.devices,
                     self.streams,
                     packs,
-                    first.options.bytes_per_pack,
+                    first[OPTIONS].bytes_per_pack,
                     backend,
                     comms=comms,
                     count=world.total,
                 )
-        axis = first.axis
+        axis = first[AXIS]
         lengths = [[leaves[i].shape[axis] for leaves in arrays] for i in range(len(arrays[0]))]
         headers = await world.agree(what, key, timeout, lengths=lengths)
         every = [[n for h in headers for n in h["lengths"][i]] for i in range(len(lengths))]

@@ -18,7 +18,7 @@ import asyncio
 import operator
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,7 +35,18 @@ if TYPE_CHECKING:
     from ._scheduler import RunGroup
     from ._strategy import Strategy
 
-__all__ = ["AllGatherPayload", "AllReducePayload", "MergePayload", "ReplicaContext"]
+__all__ = [
+    "ARGS",
+    "ARRAYS",
+    "AXIS",
+    "KWARGS",
+    "MERGE_FN",
+    "OP",
+    "OPTIONS",
+    "TEMPLATE",
+    "Payload",
+    "ReplicaContext",
+]
 
 
 _STATE = _context._STATE
@@ -62,24 +73,19 @@ _NUMERIC_SCALARS = frozenset(
 _HOST_SCALARS: dict[tuple, tuple[ReduceOp, Signature]] = {}
 
 
-class AllReducePayload(NamedTuple):
-    template: object  # the replica's nested value, for its nesting; None for a single array
-    arrays: list  # its leaves, placed on the replica's device
-    op: Any  # ReduceOp
-    options: CommunicationOptions
-
-
-class AllGatherPayload(NamedTuple):
-    template: object  # as in AllReducePayload
-    arrays: list
-    axis: int
-    options: CommunicationOptions
-
-
-class MergePayload(NamedTuple):
-    merge_fn: Callable
-    args: tuple
-    kwargs: dict
+# What a replica's arrival carries (the rendezvous' payload): a plain tuple, read by
+# unpacking or by the indexes below. Not NamedTuples, for the reasons the context
+# state is not one (see _context): 6.7k instructions (about 0.9 us) less per (b)
+# step at four replicas.
+# - all_reduce: (template, arrays, op, options): ``template`` is the replica's nested
+#   value, for its nesting (None for a single array); ``arrays`` its leaves, placed
+#   on the replica's device; ``op`` the ReduceOp; ``options`` CommunicationOptions.
+# - all_gather: (template, arrays, axis, options), the same with the gathered axis.
+# - merge_call: (merge_fn, args, kwargs).
+TEMPLATE, ARRAYS, OP, OPTIONS = range(4)
+AXIS = OP
+MERGE_FN, ARGS, KWARGS = range(3)
+Payload = tuple  # for annotations
 
 
 class ReplicaContext:
@@ -173,7 +179,7 @@ class ReplicaContext:
             return f"merge_call({_function_text(merge_fn)})"
 
         signature = _new(Signature, ("merge_call", _merge_key(merge_fn), describe))
-        payload = _new(MergePayload, (merge_fn, args, kwargs))
+        payload = (merge_fn, args, kwargs)
         return group.arrive(
             self._replica_id, signature, payload, self._strategy._communication_options
         )
@@ -214,7 +220,7 @@ class ReplicaContext:
             if known is not None:
                 op, signature = known
                 options = self._strategy._communication_options
-                payload = _new(AllReducePayload, (None, [value], op, options))
+                payload = (None, [value], op, options)
                 rendezvous = group._rendezvous
                 if rendezvous is None or _trace.active is not None:  # what arrive() does
                     return group.arrive(self._replica_id, signature, payload, options)
@@ -286,7 +292,7 @@ class ReplicaContext:
                 if len(_HOST_SCALARS) >= _ONE_ARRAY_LIMIT:
                     _HOST_SCALARS.clear()
                 _HOST_SCALARS[reduce_op, type(value)] = (op, signature)
-        payload = _new(AllReducePayload, (value if nested else None, arrays, op, options))
+        payload = (value if nested else None, arrays, op, options)
         return group.arrive(self._replica_id, signature, payload, options)
 
     def all_gather(
@@ -325,7 +331,7 @@ class ReplicaContext:
         signature = Signature(
             "all_gather", key, lambda: f"all_gather(axis={axis}, {structure_text(value, arrays)})"
         )  # not a hot path: the readable constructor
-        payload = AllGatherPayload(value if nested else None, arrays, axis, options)
+        payload = (value if nested else None, arrays, axis, options)
         return group.arrive(self._replica_id, signature, payload, options)
 
     # -- helpers ---------------------------------------------------------------------

@@ -48,7 +48,16 @@ from ._devices import Device
 from ._errors import ContextError, RendezvousTimeoutError, ReplicaExitedError
 from ._options import CommunicationOptions
 from ._rendezvous import Rendezvous, Signature
-from ._replica_context import _EMPTY, MergePayload, ReplicaContext
+from ._replica_context import (
+    _EMPTY,
+    ARGS,
+    ARRAYS,
+    KWARGS,
+    MERGE_FN,
+    TEMPLATE,
+    Payload,
+    ReplicaContext,
+)
 from ._stall import watchdog_for
 from ._streams import drive
 from ._trace import Tracer, cross_replica_track, replica_track
@@ -673,36 +682,38 @@ class RunGroup:
         strategy's totals. Each group's ``_collective`` counts what it is given
         (RunGroup's counts a one-array all-reduce itself, from the arrays it has)."""
         if name == "all_reduce":  # one shape per leaf on every replica
-            nbytes = sum(map(_NBYTES, payloads[0].arrays)) * self.num_replicas
+            nbytes = sum(map(_NBYTES, payloads[0][ARRAYS])) * self.num_replicas
         else:  # shapes may differ along the gathered axis
-            nbytes = sum(sum(map(_NBYTES, p.arrays)) for p in payloads)
+            nbytes = sum(sum(map(_NBYTES, p[ARRAYS])) for p in payloads)
         self.strategy._counters.bytes_reduced += nbytes
 
     def _collective(self, number: int, signature: Signature, payloads: list) -> Any:
         strategy = self.strategy
         ops = strategy._extended._cross_device_ops  # not the property: per call
-        first = payloads[0]
-        devices, options, streams = self.devices, first.options, self.streams
-        if signature.name == "all_reduce" and first.template is None:  # one array each
-            arrays = [payload.arrays[0] for payload in payloads]
+        # An all-reduce's payload: (template, arrays, op, options); an all-gather's has
+        # the axis for the op.
+        template, _, op_or_axis, options = payloads[0]
+        devices, streams = self.devices, self.streams
+        if template is None and signature.name == "all_reduce":  # one array each
+            arrays = [payload[ARRAYS][0] for payload in payloads]
             strategy._counters.bytes_reduced += arrays[0].nbytes * len(arrays)
-            return ops._all_reduce_one(first.op, arrays, devices, options, streams)
+            return ops._all_reduce_one(op_or_axis, arrays, devices, options, streams)
         self._count_bytes(signature.name, payloads)
-        arrays = [payload.arrays for payload in payloads]
+        arrays = [payload[ARRAYS] for payload in payloads]
         if signature.name == "all_reduce":
             # The signature's key holds the leaves' dtypes and shapes: (op, skeleton,
             # dtypes, shapes).
             layout = signature.key[2:]
-            out = ops._all_reduce_laid_out(first.op, arrays, devices, options, streams, layout)
+            out = ops._all_reduce_laid_out(op_or_axis, arrays, devices, options, streams, layout)
         else:
-            out = ops._all_gather_flat(arrays, first.axis, devices, options, streams)
+            out = ops._all_gather_flat(arrays, op_or_axis, devices, options, streams)
         return self._per_replica(payloads, out, signature.key[1])  # both keys' skeleton
 
     @staticmethod
     def _per_replica(payloads: list, out: list[list], skeleton: object = None) -> list:
         """Each replica's result: its leaves ``out[r]`` in the structure it passed
         (``skeleton``: that structure's, from the signature, if the caller has it)."""
-        template = payloads[0].template
+        template = payloads[0][TEMPLATE]
         if template is None:  # one array each (signatures matched)
             return [leaves[0] for leaves in out]
         if type(template) is list and (
@@ -712,7 +723,7 @@ class RunGroup:
             # A flat list, and the signatures matched, so every replica passed one:
             # its list of leaves is its result (each a new list).
             return out
-        return [_nest.pack_as(p.template, leaves) for p, leaves in zip(payloads, out, strict=True)]
+        return [_nest.pack_as(p[TEMPLATE], leaves) for p, leaves in zip(payloads, out, strict=True)]
 
     def _spawn(
         self,
@@ -758,7 +769,7 @@ class RunGroup:
             task.add_done_callback(lambda done: aux.pop(done, None))
         return task
 
-    def _merge(self, number: int, payloads: list[MergePayload], backend: Any, order: object) -> Any:
+    def _merge(self, number: int, payloads: list[Payload], backend: Any, order: object) -> Any:
         """Run ``merge_fn`` once. ``backend`` and ``order`` are set on devices with
         streams: the cross-replica work is then finished with ``end_cross_replica``
         once issued, and an async ``merge_fn`` steps with the cross streams current."""
@@ -770,10 +781,10 @@ class RunGroup:
                 ended.append(True)
                 backend.end_cross_replica(order, self.slots)
 
-        merge_fn = payloads[0].merge_fn
+        merge_fn = payloads[0][MERGE_FN]
         what = "passed to merge_call"
-        args = regroup([p.args for p in payloads], self.devices, what=what, path="args")
-        kwargs = [p.kwargs for p in payloads]
+        args = regroup([p[ARGS] for p in payloads], self.devices, what=what, path="args")
+        kwargs = [p[KWARGS] for p in payloads]
         if all(map(_IS_EMPTY, kwargs)):  # none passed any, the usual case: 0.3 us less
             kwargs = _EMPTY  # than regroup (identity: a dict subclass may say it == {})
         else:
@@ -882,7 +893,7 @@ class DefaultGroup(RunGroup):
             future.add_done_callback(partial(_cancel_with, task))
         return future
 
-    def _merge(self, number: int, payloads: list[MergePayload], backend: Any, order: object) -> Any:
+    def _merge(self, number: int, payloads: list[Payload], backend: Any, order: object) -> Any:
         result = super()._merge(number, payloads, backend, order)
         if isinstance(result, asyncio.Task):
             self._merge_task = result
