@@ -18,6 +18,7 @@ import asyncio
 import operator
 import os
 from collections.abc import Callable
+from types import CodeType, FunctionType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -174,12 +175,8 @@ class ReplicaContext:
         if type(args) is not tuple:
             args = _positional(args, "merge_call")
         kwargs = _EMPTY if kwargs is None else _keywords(kwargs, "merge_call")
-
-        def describe() -> str:
-            return f"merge_call({_function_text(merge_fn)})"
-
-        signature = _new(Signature, ("merge_call", _merge_key(merge_fn), describe))
         payload = (merge_fn, args, kwargs)
+        signature = _merge_signature(merge_fn)
         return group.arrive(
             self._replica_id, signature, payload, self._strategy._communication_options
         )
@@ -399,6 +396,36 @@ def _function_text(function: Callable) -> str:
     if code is None or hasattr(function, "_aiodist_key"):  # aiodist's own: the name says it
         return name
     return f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
+
+
+# The merge_call signatures of plain functions, by id() of their code object (a code
+# object's own hash is computed from its contents at every lookup): (code, qualified
+# name, signature). Every function made from one definition (each replica's closure)
+# shares the entry, so replicas calling it pass one signature object, which the
+# rendezvous matches by identity. Saves building a key, a signature and a closure
+# per call: 2.5k instructions (0.3 us) per replica per merge_call.
+_MERGE_SIGNATURES: dict[int, tuple[CodeType, str, Signature]] = {}
+
+
+def _merge_signature(merge_fn: Callable) -> Signature:
+    """The signature of a merge_call of ``merge_fn``."""
+    if type(merge_fn) is FunctionType and "_aiodist_key" not in merge_fn.__dict__:
+        code, name = merge_fn.__code__, merge_fn.__qualname__
+        entry = _MERGE_SIGNATURES.get(id(code))
+        if entry is not None and entry[0] is code and entry[1] == name:
+            return entry[2]
+        signature = Signature(
+            "merge_call", _merge_key(merge_fn), f"merge_call({_function_text(merge_fn)})"
+        )
+        if len(_MERGE_SIGNATURES) >= _ONE_ARRAY_LIMIT:  # many definitions: start afresh
+            _MERGE_SIGNATURES.clear()
+        _MERGE_SIGNATURES[id(code)] = (code, name, signature)
+        return signature
+
+    def describe() -> str:
+        return f"merge_call({_function_text(merge_fn)})"
+
+    return _new(Signature, ("merge_call", _merge_key(merge_fn), describe))
 
 
 def _merge_key(merge_fn: Callable) -> object:

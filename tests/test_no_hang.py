@@ -288,6 +288,29 @@ async def test_per_replica_closures_of_one_merge_fn_match(three):
     assert await three.run(fn) == 33
 
 
+async def test_merge_fns_of_one_definition_under_different_names_are_a_mismatch(two):
+    # Signatures are kept per code object: a name given to one function of that code
+    # must not be served another's signature (the key is the code and the name).
+    def named(name):
+        def merge_fn(strategy):
+            return name
+
+        merge_fn.__qualname__ = name
+        return merge_fn
+
+    async def fn(names):
+        ctx = aiodist.get_replica_context()
+        return await ctx.merge_call(named(names[rid()]))
+
+    assert await two.run(fn, args=(("first", "first"),)) == "first"
+    errors, raised = await run_collecting(two, lambda: fn(("first", "second")))
+    assert isinstance(raised, aiodist.CollectiveMismatchError)
+    assert sorted(errors) == [0, 1]
+    assert "replica 0 called merge_call(first (" in str(raised)
+    assert "replica 1 called merge_call(second (" in str(raised)
+    assert await two.run(fn, args=(("second", "second"),)) == "second"
+
+
 async def test_replica_cancelling_itself_fails_the_run_and_cancels_the_others(three):
     cancelled = []
 
