@@ -44,7 +44,6 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "register_default_strategy",
-    "replica_state",
     "require_cross_replica",
     "scope_of",
 ]
@@ -81,11 +80,6 @@ def current_state() -> _State:
 def current_replica() -> ReplicaContext | None:
     """The ReplicaContext of the replica function we are in, else None."""
     return _STATE.get()[REPLICA]
-
-
-def replica_state(strategy: Strategy, replica: ReplicaContext | None, group: Any = None) -> _State:
-    """The state inside a replica function of ``group`` (``replica``), or a merge_fn (None)."""
-    return (strategy, replica, True, group)
 
 
 set_state = _STATE.set  # the ContextVar's own (C) method: called once per replica per run

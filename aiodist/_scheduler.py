@@ -41,7 +41,7 @@ from operator import attrgetter
 from types import CoroutineType, GeneratorType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from . import _context, _nest, _trace
+from . import _nest, _trace
 from ._backends import cpu_backend
 from ._context import _State, set_state
 from ._devices import Device
@@ -50,10 +50,7 @@ from ._options import CommunicationOptions
 from ._rendezvous import Rendezvous, Signature
 from ._replica_context import (
     _EMPTY,
-    ARGS,
     ARRAYS,
-    KWARGS,
-    MERGE_FN,
     TEMPLATE,
     Payload,
     ReplicaContext,
@@ -92,6 +89,10 @@ def _awaitable(value: object) -> bool:
 
 _NBYTES = attrgetter("nbytes")
 _IS_EMPTY = partial(operator.is_, _EMPTY)  # a merge_call's kwargs when none were passed
+
+
+def _nothing(_: object = None) -> None:
+    """A callback with nothing to do."""
 
 
 def _close_unstarted(coro: Any, own: bool = True) -> None:
@@ -463,8 +464,8 @@ class RunGroup:
         loop.call_soon(self._replica_failed, rid, asyncio.current_task(loop))
 
     def _state(self, rid: int) -> _State:
-        """Replica ``rid``'s context state in this run: ``_context.replica_state``,
-        without that call."""
+        """Replica ``rid``'s context state in this run (a merge_fn's has no replica
+        and no group: see ``_cross_replica_context``)."""
         return (self.strategy, self.strategy._replica_contexts[rid], True, self)
 
     def _coroutines(self, fn: Callable, args: Sequence, kwargs: dict) -> list:
@@ -608,7 +609,7 @@ class RunGroup:
         run, copies the current one) in cross-replica state."""
         base = self._base
         context = base.copy() if base is not None else contextvars.copy_context()
-        context.run(_context.set_state, _context.replica_state(self.strategy, None))
+        context.run(set_state, (self.strategy, None, True, None))  # a merge_fn's state
         return context
 
     def _execute(self, number: int, signature: Signature, payloads: list) -> Any:
@@ -616,9 +617,10 @@ class RunGroup:
         has arrived): the per-replica results, or a future of them."""
         tracer = _trace.active
         if tracer is None:  # not tracing: straight to the work
-            if self._on_host and signature.name != "merge_call":  # _execute_now's first
-                # case, one call sooner: with all_reduce's direct arrival, 0.5 us less
-                # per (b) step
+            if self._on_host:  # _execute_now's first case, one call sooner: with
+                # all_reduce's direct arrival, 0.5 us less per (b) step
+                if signature.name == "merge_call":
+                    return self._merge(number, payloads, None, None)
                 return self._collective(number, signature, payloads)
             return self._execute_now(number, signature, payloads)
         return self._execute_traced(tracer, number, signature, payloads)
@@ -774,17 +776,21 @@ class RunGroup:
         streams: the cross-replica work is then finished with ``end_cross_replica``
         once issued, and an async ``merge_fn`` steps with the cross streams current."""
 
-        ended = []
+        if backend is None:  # on the host: nothing to finish (no closure per call)
+            issued = _nothing
+        else:
+            ended = []
 
-        def issued(_: object = None) -> None:
-            if backend is not None and not ended:
-                ended.append(True)
-                backend.end_cross_replica(order, self.slots)
+            def issued(_: object = None) -> None:
+                if not ended:
+                    ended.append(True)
+                    backend.end_cross_replica(order, self.slots)
 
-        merge_fn = payloads[0][MERGE_FN]
+        # Each payload is (merge_fn, args, kwargs): transposed in C, one pass.
+        merge_fns, args, kwargs = zip(*payloads)  # noqa: B905 (three fields each)
+        merge_fn = merge_fns[0]
         what = "passed to merge_call"
-        args = regroup([p[ARGS] for p in payloads], self.devices, what=what, path="args")
-        kwargs = [p[KWARGS] for p in payloads]
+        args = regroup(args, self.devices, what=what, path="args")
         if all(map(_IS_EMPTY, kwargs)):  # none passed any, the usual case: 0.3 us less
             kwargs = _EMPTY  # than regroup (identity: a dict subclass may say it == {})
         else:

@@ -469,7 +469,7 @@ class Strategy:
             kind not in _NUMERIC_SCALARS
             or not 1 < len(parts) == len(self._slots)
             or not ops._host_scalars_by_arithmetic()
-            or not all(type(part) is kind for part in parts)
+            or not _nest.all_of_type(parts, kind)
         ):
             return None
         reducible, dtype = _REDUCIBLE[op], parts[0].dtype
