@@ -151,48 +151,38 @@ async def _call(fn: Callable, args: Sequence, kwargs: dict) -> object:
     return result
 
 
-# A replica's task runs one of the two coroutines below. Each first makes the
-# replica's state current in the task's own context (a copy of the caller's, made by
-# the task): 0.2 us less per replica than setting it in the context beforehand with
-# Context.run. Each tells its run that the replica finished from inside the task's
-# last step: one frame per replica instead of a done callback, which cost a loop
-# handle and a Python call per replica per run (about 0.7 us each). A failure is
-# handed to the run by a callback queued behind what is already queued (see
-# RunGroup._replica_raised).
+async def _replica(
+    group: RunGroup, rid: int, state: _State, coro: Any, call: tuple | None = None
+) -> Any:
+    """Replica ``rid``'s task: it awaits ``coro``, or, given ``call`` = (fn, args,
+    kwargs) of a plain function, calls it inside the task and awaits its result if
+    that is awaitable (``_call`` in this frame).
 
-
-async def _replica(group: RunGroup, rid: int, state: _State, coro: Any) -> Any:
-    """Replica ``rid``'s coroutine, as its task."""
+    It first makes the replica's state current in the task's own context (a copy of
+    the caller's, made by the task): 0.2 us less per replica than setting it in the
+    context beforehand with Context.run. It tells its run that the replica returned
+    from inside the task's last step, in this frame: no done callback (a loop handle
+    and a Python call per replica per run, about 0.7 us each), no method call (0.2
+    us). A failure is handed to the run by a callback queued behind what is already
+    queued (see RunGroup._replica_raised)."""
     set_state(state)
     try:
-        result = await coro
+        if call is None:
+            result = await coro
+        else:
+            fn, args, kwargs = call
+            result = fn(*args, **kwargs)
+            if _awaitable(result):
+                result = await result
     except BaseException:
         group._replica_raised(rid)
         raise
-    # group._replica_returned(rid, result), inlined (once per replica per run)
     if group._rendezvous is not None:
         group._rendezvous.replica_exited(rid, "returned")
     group._results[rid] = result
     group._remaining -= 1
     if not group._remaining and not group._all_done.done():
         group._all_done.set_result(None)
-    return result
-
-
-async def _plain_replica(
-    group: RunGroup, rid: int, state: _State, fn: Callable, args: Any, kwargs: Any
-) -> Any:
-    """A plain replica function, called inside its task (its result awaited if
-    awaitable): ``_replica`` and ``_call`` in one frame."""
-    set_state(state)
-    try:
-        result = fn(*args, **kwargs)
-        if _awaitable(result):
-            result = await result
-    except BaseException:
-        group._replica_raised(rid)
-        raise
-    group._replica_returned(rid, result)
     return result
 
 
@@ -443,17 +433,6 @@ class RunGroup:
             return results[0]
         return regroup(results, self.devices)
 
-    def _replica_returned(self, rid: int, result: object) -> None:
-        """Replica ``rid``'s function returned ``result`` (called in its task's last
-        step). Before any collective there is no rendezvous to tell: it will find the
-        replica's task done when it is made (saves a record per replica per run)."""
-        if self._rendezvous is not None:
-            self._rendezvous.replica_exited(rid, "returned")
-        self._results[rid] = result
-        self._remaining -= 1
-        if self._remaining == 0 and not self._all_done.done():
-            self._all_done.set_result(None)
-
     def _replica_raised(self, rid: int) -> None:
         """Replica ``rid``'s function raised or was cancelled (called in its task's last
         step). The run learns of it from a callback queued now: it runs after the task
@@ -472,7 +451,7 @@ class RunGroup:
         """One coroutine per replica (what its task runs), made before any task starts.
 
         An ``async def`` function's own coroutine is awaited by ``_replica``; a plain
-        function is called inside the task by ``_plain_replica`` (or ``_call``, when
+        function is called inside the task by ``_replica`` (or ``_call``, when
         the replica's coroutine is wrapped further), in the replica's context.
         Arguments holding no distributed value (the common case) go to every replica
         as they are.
@@ -515,9 +494,8 @@ class RunGroup:
                     replica_kwargs = select_replica(rid, kwargs, n)
                 backend = slot.backend
                 if not is_async and tracer is None and not backend.needs_activation:
-                    coroutines.append(
-                        _plain_replica(self, rid, state, fn, replica_args, replica_kwargs)
-                    )
+                    call = (fn, replica_args, replica_kwargs)
+                    coroutines.append(_replica(self, rid, state, None, call))
                     continue
                 if is_async:
                     coro = fn(*replica_args, **replica_kwargs)

@@ -44,7 +44,7 @@ _SCHEDULER_FILE = os.path.join(os.path.dirname(__file__), "_scheduler.py")
 def _is_wrapper(code: Any) -> bool:
     """aiodist's own coroutine wrappers: followed through, not shown (the user's
     frames are what a stall report is about). Every coroutine of the scheduler is
-    one (_replica, _plain_replica, _call, _traced, ...): no user code lives there."""
+    one (_replica, _call, _traced, ...): no user code lives there."""
     return code in (step_through.__code__, drive.__code__) or code.co_filename == _SCHEDULER_FILE
 
 
