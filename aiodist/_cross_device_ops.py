@@ -114,27 +114,22 @@ _SHARED_AND_VIEWS = (
 )
 
 
-def _shared_and_views(shared: np.ndarray, count: int) -> list[np.ndarray]:
-    """``shared`` and ``count - 1`` views of it: one handle per destination."""
-    if count < len(_SHARED_AND_VIEWS):
-        return _SHARED_AND_VIEWS[count](shared)
-    return [shared, *map(_VIEW, repeat(shared, count - 1))]
-
-
 def _host_views(array: np.ndarray, count: int) -> list[np.ndarray]:
     """``count`` read-only views of ``array`` (one per host destination). setflags
     instead of ``.flags``: about 0.3 us less."""
     shared = array.view()
     shared.setflags(write=False)
-    return _shared_and_views(shared, count)
+    if count < len(_SHARED_AND_VIEWS):
+        return _SHARED_AND_VIEWS[count](shared)
+    return [shared, *map(_VIEW, repeat(shared, count - 1))]
 
 
 def _scalar_views(total: Any, count: int) -> list[np.ndarray]:
     """``count`` read-only 0-d views of ``total``, a NumPy scalar (or 0-d array)."""
-    if isinstance(total, np.generic):
+    if isinstance(total, np.generic) and count < len(_SHARED_AND_VIEWS):
         # An array over an immutable scalar's buffer is read-only from the start:
         # about 0.5 us less than np.asarray(total) and _host_views' setflags.
-        return _shared_and_views(np.ndarray((), total.dtype, total), count)
+        return _SHARED_AND_VIEWS[count](np.ndarray((), total.dtype, total))
     return _host_views(np.array(total, copy=True), count)
 
 
