@@ -218,9 +218,9 @@ class ReplicaContext:
                 op, signature = known
                 options = self._strategy._communication_options
                 payload = (None, [value], op, options)
-                rendezvous = group._rendezvous
-                if rendezvous is None or _trace.active is not None:  # what arrive() does
+                if _trace.active is not None:  # what group.arrive() does
                     return group.arrive(self._replica_id, signature, payload, options)
+                rendezvous = group._rendezvous or group.rendezvous  # (made at the first)
                 # Straight to the rendezvous: one Python call less per replica.
                 return rendezvous.arrive(
                     self._replica_id,
