@@ -4,10 +4,12 @@ workloads measure real runs (the figures themselves are not asserted here)."""
 from __future__ import annotations
 
 import asyncio
+import shutil
+import sys
 
 import pytest
 
-from benchmarks import workloads
+from benchmarks import instructions, workloads
 from benchmarks.__main__ import IN_FLIGHT, _scaling, _scaling_table, main
 
 
@@ -51,3 +53,29 @@ def test_the_scaling_table_has_a_row_per_count_in_flight():
     rows = _scaling_table(scaling).splitlines()[2:]
     assert [int(row.split()[0]) for row in rows] == list(IN_FLIGHT)
     assert rows[0].endswith("1.00x")  # per-run cost relative to one run in flight
+
+
+def test_instruction_counting_runs_a_workload_in_its_child_mode():
+    # What valgrind runs: one workload, for a number of steps, on the named loop.
+    assert instructions.main(["--child", "b", "--replicas", "2", "--steps", "3"]) == 0
+    assert instructions.main(["--child", "c", "--loop", "asyncio", "--steps", "3"]) == 0
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
+@pytest.mark.timeout(120)
+def test_instruction_counts_repeat_exactly():
+    # The point of counting instructions: the same process counts the same, run
+    # after run (hash and address randomisation off), unlike seconds.
+    command = [sys.executable, "-S", "-c", "sum(range(1000))"]
+    first = instructions.instructions(command)
+    assert first > 100_000
+    assert instructions.instructions(command) == first
+    longer = instructions.instructions([sys.executable, "-S", "-c", "sum(range(100000))"])
+    assert longer > first
+
+
+def test_instruction_counting_refuses_bad_replica_counts(capsys):
+    with pytest.raises(SystemExit) as exited:
+        instructions.main(["--replicas", "0"])
+    assert exited.value.code == 2
+    assert "argument --replicas: '0'; expected comma-separated" in capsys.readouterr().err
