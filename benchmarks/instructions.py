@@ -33,7 +33,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.__main__ import _replica_counts
+from benchmarks.__main__ import _loops, _replica_counts
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,13 +70,7 @@ def _steps_run(steps: int) -> int:
 
 def _child(key: str, replicas: int, steps: int, loop: str) -> None:
     """Run one workload (inside valgrind)."""
-    if loop == "uvloop":
-        import uvloop
-
-        factory = uvloop.new_event_loop
-    else:
-        factory = asyncio.new_event_loop
-    with asyncio.Runner(loop_factory=factory) as runner:
+    with asyncio.Runner(loop_factory=_loops()[loop]) as runner:
         runner.run(_measure(key)(replicas, steps))
 
 
@@ -134,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if shutil.which("valgrind") is None:
         parser.error("needs valgrind on the PATH (Debian: apt install valgrind)")
+    if args.loop not in _loops():
+        parser.error(f"--loop {args.loop}: it is not installed; pip install {args.loop}")
     jobs = [(n, key) for n in args.replicas for key, _, _ in WORKLOADS]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         counted = pool.map(lambda job: per_step(job[1], job[0], args.loop), jobs)
