@@ -28,14 +28,24 @@ def step_through(
     coro: Coroutine[Any, Any, Any],
     activate: Callable[[], object] | None = None,
     deactivate: Callable[[object], None] | None = None,
+    *,
+    resume: tuple[Any, BaseException | None] | None = None,
 ) -> Generator[Any, Any, Any]:
     """Drive ``coro`` step by step, forwarding every value and exception;
     ``activate()`` / ``deactivate(token)`` bracket each step (device and stream
-    current, see above)."""
+    current, see above).
+
+    ``resume``: ``coro`` has already taken its first step elsewhere (an eagerly
+    started task's, see ``_scheduler._start_eagerly``), which yielded ``resume[0]``;
+    that value is yielded first, unless ``resume[1]`` is an exception to throw into
+    ``coro`` at once."""
     send: Any = None
     throw: BaseException | None = None
     yielded: Any = None
     started = True
+    if resume is not None:
+        yielded, throw = resume
+        started = throw is not None
     while True:
         if not started:
             try:

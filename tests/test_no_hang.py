@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import sys
 import weakref
 
 import numpy as np
@@ -460,8 +459,8 @@ async def test_no_never_awaited_warnings_when_a_run_is_cancelled_as_the_last_rep
 ):
     """The run is cancelled in the same loop iteration as the last arrival, before the
     async merge_fn's task has started: its coroutine is closed, not left unawaited.
-    (Without a task factory on Python 3.12+, the merge task starts eagerly: merge_fn
-    has run by then. A factory making plain tasks keeps the case there too.)"""
+    (Without a task factory the merge task starts eagerly: merge_fn has run by then.
+    A factory making plain tasks keeps the case.)"""
     ran = []
 
     async def merge_fn(strategy):
@@ -482,7 +481,7 @@ async def test_no_never_awaited_warnings_when_a_run_is_cancelled_as_the_last_rep
             with pytest.raises(asyncio.CancelledError):
                 await task
     gc.collect()
-    assert ran == ([True] * 3 if sys.version_info >= (3, 12) and not plain else [])
+    assert ran == ([] if plain else [True] * 3)
 
 
 def _plain_tasks(loop, coro, **kwargs):
@@ -578,3 +577,34 @@ async def test_an_async_merge_fn_in_the_default_context_stops_when_its_caller_do
         return x + 1
 
     assert await ctx.merge_call(quick_merge, args=(1,)) == 2
+
+
+async def test_an_async_merge_fn_suspended_in_its_first_step_is_cancelled_with_its_run(two):
+    """The run is cancelled in the loop iteration of the last arrival: the async
+    merge_fn's first step has run (eagerly) and suspended, and its task has not
+    stepped again. CancelledError reaches merge_fn where it waits, in its own task,
+    so its cleanup runs, as a replica's does."""
+    cleaned = []
+
+    async def merge_fn(strategy):
+        first = asyncio.current_task()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cleaned.append(asyncio.current_task() is first)
+            raise
+
+    async def step():
+        if rid() == 1:  # the last to arrive
+            await asyncio.sleep(0)
+        return await aiodist.get_replica_context().merge_call(merge_fn)
+
+    for _ in range(3):  # a warning would fail the test (filterwarnings = error)
+        task = asyncio.create_task(two.run(step))
+        await asyncio.sleep(0)  # replica 0 arrives
+        await asyncio.sleep(0)  # replica 1 arrives: merge_fn's first step runs
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    gc.collect()
+    assert cleaned == [True] * 3
