@@ -60,6 +60,9 @@ async def test_reduce_of_numpy_scalars_matches_0d_arrays(num_replicas, dtype, op
 
 
 async def test_reduce_of_numpy_scalars_checks_them_and_uses_the_strategys_ops(two):
+    # float32 sums remembered first: every check below applies to a remembered pair too
+    pair = aiodist.PerReplica([np.float32(1), np.float32(2)])
+    assert float(await two.reduce("sum", pair, axis=None)) == 3.0
     bools = aiodist.PerReplica([np.bool_(True), np.bool_(False)])
     for _ in range(2):  # refused, so never remembered
         with pytest.raises(ValueError, match="cannot reduce values of dtype bool with SUM"):
