@@ -166,8 +166,7 @@ class ReplicaContext:
         """
         # A per-step hot path too, written like all_reduce's.
         state = _STATE.get()
-        replica = state[_REPLICA] is self  # in its run (else the default context's group)
-        group = state[_GROUP] if replica else self._group("merge_call")
+        group = state[_GROUP] if state[_REPLICA] is self else self._group("merge_call")
         if not callable(merge_fn):
             raise InvalidArgumentError(
                 f"merge_call: merge_fn={merge_fn!r} is not callable; expected a function "
@@ -178,17 +177,9 @@ class ReplicaContext:
         kwargs = _EMPTY if kwargs is None else _keywords(kwargs, "merge_call")
         payload = (merge_fn, args, kwargs)
         signature = _merge_signature(merge_fn)
-        options = self._strategy._communication_options
-        if replica and _trace.active is None:  # what group.arrive() does: a call less
-            rendezvous = group._rendezvous or group.rendezvous  # (made at the first)
-            return rendezvous.arrive(
-                self._replica_id,
-                signature,
-                payload,
-                options.timeout_seconds,
-                options.stall_warning_seconds,
-            )
-        return group.arrive(self._replica_id, signature, payload, options)
+        return group.arrive(
+            self._replica_id, signature, payload, self._strategy._communication_options
+        )
 
     def all_reduce(
         self,
