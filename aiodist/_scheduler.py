@@ -35,7 +35,6 @@ import operator
 import sys
 import types
 from asyncio import get_running_loop
-from asyncio.tasks import _enter_task, _leave_task
 from collections.abc import Callable, Sequence
 from functools import partial
 from inspect import CO_COROUTINE
@@ -73,6 +72,8 @@ __all__ = ["ReplicaSlot", "RunGroup", "task_names"]
 # _start_eagerly.
 # (Chosen once: a call with **{} costs about 0.1 us more per task on Python 3.11.)
 _NATIVE_EAGER = sys.version_info >= (3, 12)
+if not _NATIVE_EAGER:  # asyncio's own (private) bookkeeping of the current task
+    from asyncio.tasks import _enter_task, _leave_task
 _eager_task = partial(asyncio.Task, eager_start=True) if _NATIVE_EAGER else asyncio.Task
 _SUSPENDED = object()  # what _first_then_rest yields when its first step suspended
 _AWAITABLE_BY_TYPE: dict[type, bool] = {}

@@ -448,7 +448,7 @@ class Strategy:
         if axis is None and type(value) is PerReplica:  # a loss or a count from run()
             # NumPy scalars of a type already reduced with this reduce_op (as passed):
             # its ufunc and mean flag in one lookup, no op parsing and no checks the
-            # first call made (3.6k of 16.6k instructions per call, N = 4).
+            # first call made (16.6k -> 14.2k instructions per call, N = 4).
             parts = value._values
             try:
                 known = _SCALAR_REDUCTIONS.get((reduce_op, type(parts[0])))
