@@ -799,9 +799,7 @@ class RunGroup:
         no loop turn for the task's first step, none for its done callback (about
         2.5 us less per merge_call, a tenth of a (c) step)."""
         loop = self._loop or get_running_loop()
-        if type(self._aux) is tuple:  # the first merge task of this run (made before the
-            self._aux = {}  # task: an eager one may run to its end at once)
-        aux = self._aux
+        aux = self._aux_table()
         if loop.get_task_factory() is None:  # as in run(): no separate set_name()
             if eager:
                 task = _eager_task(coro, loop=loop, context=context)
@@ -820,6 +818,13 @@ class RunGroup:
         if not untracks:
             task.add_done_callback(lambda done: aux.pop(done, None))
         return task
+
+    def _aux_table(self) -> dict:
+        """The run's table of cross-replica tasks, made by the first of them before its
+        task exists (an eager one may run to its end, and leave the table, at once)."""
+        if type(self._aux) is tuple:
+            self._aux = {}
+        return self._aux
 
     def _merge(self, number: int, payloads: list[Payload], backend: Any, order: object) -> Any:
         """Run ``merge_fn`` once. ``backend`` and ``order`` are set on devices with
@@ -876,29 +881,26 @@ class RunGroup:
         unstarted = (coro, result) if own else (coro,)
         loop = self._loop or get_running_loop()
         if not _NATIVE_EAGER and loop.get_task_factory() is None:
-            if type(self._aux) is tuple:  # (before the task: _merged pops itself)
-                self._aux = {}
+            aux = self._aux_table()
             task, outcome = _start_eagerly(self._merged(number, coro), loop, context)
             if outcome is not None:  # merge_fn ended in its first step
                 issued()
                 if outcome[0]:
                     return outcome[1]
                 raise outcome[1]
-            self._aux[task] = ()  # started: nothing to close if it is cancelled
-            if backend is not None:
-                task.add_done_callback(issued)
-            return task
-        try:
-            task = self._spawn(
-                self._merged(number, coro),
-                context,
-                untracks=True,
-                unstarted=unstarted,
-                eager=True,
-            )
-        except BaseException:
-            issued()
-            raise
+            aux[task] = ()  # started: nothing to close if it is cancelled
+        else:
+            try:
+                task = self._spawn(
+                    self._merged(number, coro),
+                    context,
+                    untracks=True,
+                    unstarted=unstarted,
+                    eager=True,
+                )
+            except BaseException:
+                issued()
+                raise
         if backend is not None:  # also when the task is cancelled before it starts
             task.add_done_callback(issued)
         return task
