@@ -44,6 +44,7 @@ import asyncio
 import math
 from asyncio import get_running_loop
 from collections.abc import Callable, Hashable, Sequence
+from functools import partial
 from time import perf_counter
 from typing import Any, NamedTuple
 
@@ -357,7 +358,9 @@ class Rendezvous:
             if results.done():  # already (an eager task that never suspended)
                 self._deliver_later(call, results)
             else:
-                results.add_done_callback(lambda done: self._deliver_later(call, done))
+                # (A partial, not a lambda: its variables would be cells, made on
+                # every call of this method.)
+                results.add_done_callback(partial(self._deliver_later, call))
         else:
             self._deliver(call, results)
 

@@ -18,6 +18,7 @@ import asyncio
 import operator
 import os
 from collections.abc import Callable
+from functools import partial
 from types import CodeType, FunctionType
 from typing import TYPE_CHECKING, Any
 
@@ -271,10 +272,7 @@ class ReplicaContext:
                 check_reducible(op, arrays[dtypes.index(dtype)], self._where("all_reduce"))
                 reducible.add(dtype)
             key = (op, skeleton, dtypes, tuple(map(_SHAPE, arrays)))
-
-            def describe() -> str:
-                return f"all_reduce({op.name}, {structure_text(value, arrays)})"
-
+            describe = partial(_all_reduce_text, op, value, arrays)
             signature = _new(Signature, ("all_reduce", key, describe))
         else:
             # One array: its signature depends on (op, dtype, shape) only, so one
@@ -326,7 +324,7 @@ class ReplicaContext:
         # is at index 1, as in all_reduce's key (RunGroup._collective reads it there).
         key = (None, skeleton, tuple(zip(dtypes, shapes, strict=True)))
         signature = Signature(
-            "all_gather", key, lambda: f"all_gather(axis={axis}, {structure_text(value, arrays)})"
+            "all_gather", key, partial(_all_gather_text, axis, value, arrays)
         )  # not a hot path: the readable constructor
         payload = (value if nested else None, arrays, axis, options)
         return group.arrive(self._replica_id, signature, payload, options)
@@ -414,18 +412,32 @@ def _merge_signature(merge_fn: Callable) -> Signature:
         entry = _MERGE_SIGNATURES.get(id(code))
         if entry is not None and entry[0] is code and entry[1] == name:
             return entry[2]
-        signature = Signature(
-            "merge_call", _merge_key(merge_fn), f"merge_call({_function_text(merge_fn)})"
-        )
+        signature = Signature("merge_call", _merge_key(merge_fn), _merge_text(merge_fn))
         if len(_MERGE_SIGNATURES) >= _ONE_ARRAY_LIMIT:  # many definitions: start afresh
             _MERGE_SIGNATURES.clear()
         _MERGE_SIGNATURES[id(code)] = (code, name, signature)
         return signature
 
-    def describe() -> str:
-        return f"merge_call({_function_text(merge_fn)})"
-
+    describe = partial(_merge_text, merge_fn)
     return _new(Signature, ("merge_call", _merge_key(merge_fn), describe))
+
+
+# Signature texts, built only when one is shown. Module functions given their values
+# by functools.partial, not closures: a closure's variables become cells, which
+# Python 3.11 makes on every call of the function defining it (about 16 ns each),
+# whether or not that call builds the closure.
+
+
+def _all_reduce_text(op: ReduceOp, value: Any, arrays: list) -> str:
+    return f"all_reduce({op.name}, {structure_text(value, arrays)})"
+
+
+def _all_gather_text(axis: int, value: Any, arrays: list) -> str:
+    return f"all_gather(axis={axis}, {structure_text(value, arrays)})"
+
+
+def _merge_text(merge_fn: Callable) -> str:
+    return f"merge_call({_function_text(merge_fn)})"
 
 
 def _merge_key(merge_fn: Callable) -> object:

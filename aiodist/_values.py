@@ -267,7 +267,17 @@ def regroup(
         merged = _regroup_flat(values, kind, devices)
         if merged is not None:
             return merged
-    # Some value is nested (leaves alone returned above): all must nest alike.
+    return _regroup_nested(values, devices, what, path)
+
+
+def _regroup_nested(values: Sequence[object], devices: Any, what: str, path: str) -> object:
+    """``regroup`` of values some of which nest containers: all must nest alike.
+
+    (Apart from regroup, whose flat cases run on every step: the comprehensions
+    here make cells of the variables they use, on every call of the function that
+    holds them, about 16 ns each on Python 3.11.)
+    """
+    first = values[0]
     nested = [_nest.is_nested(value) for value in values]
     odd = [i for i, value in enumerate(values) if not _same_container(first, value)]
     if not all(nested) or odd:
