@@ -41,3 +41,40 @@ async def test_runs_leave_no_cyclic_garbage(strategy):
             assert gc.collect() == 0, f"{fn.__name__} runs left cyclic garbage"
         finally:
             gc.enable()
+
+
+def test_per_step_functions_make_no_closure_cells():
+    """Python 3.11 makes a cell for each variable that an inner function or
+    comprehension uses, on every call of the function holding it, whether or not
+    that call builds the closure (about 16 ns each). The functions every run or
+    collective calls hold none (docs/design.md, cost model)."""
+    from aiodist import _rendezvous, _replica_context, _scheduler, _strategy, _values
+
+    per_step = [
+        _strategy.Strategy.run,
+        _strategy.Strategy.reduce,
+        _scheduler.RunGroup.__init__,
+        _scheduler.RunGroup.run,
+        _scheduler.RunGroup._coroutines,
+        _scheduler.RunGroup.arrive,
+        _scheduler.RunGroup._execute,
+        _scheduler.RunGroup._collective,
+        _scheduler.RunGroup._merge,
+        _scheduler.RunGroup._merged,
+        _scheduler.RunGroup._for_each_replica,
+        _scheduler._replica,
+        _scheduler._start_eagerly,
+        _rendezvous.Rendezvous.arrive,
+        _rendezvous.Rendezvous._complete,
+        _rendezvous.Rendezvous._deliver,
+        _rendezvous.Rendezvous.replica_exited,
+        _replica_context.ReplicaContext.all_reduce,
+        _replica_context.ReplicaContext.merge_call,
+        _replica_context._merge_signature,
+        _values.regroup,
+        _values._regroup_flat,
+    ]
+    with_cells = {
+        f.__qualname__: f.__code__.co_cellvars for f in per_step if f.__code__.co_cellvars
+    }
+    assert with_cells == {}
