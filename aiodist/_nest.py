@@ -116,14 +116,16 @@ def pack_as(template: object, leaves: list) -> Any:
     """The structure of ``template`` filled with ``leaves`` (inverse of ``flatten``)."""
     if type(template) is list and not any_nested(template):
         return list(leaves)  # a flat list: the common case, without recursion
-    iterator = iter(leaves)
+    return _build(template, iter(leaves))
 
-    def build(node: object) -> Any:
-        if is_nested(node):
-            return rebuild(node, [build(child) for child in children(node)])
-        return next(iterator)
 
-    return build(template)
+def _build(node: object, leaves: Iterator[object]) -> Any:
+    """``pack_as``'s walk: ``node`` filled from ``leaves``. (A module function, not a
+    closure calling itself: that closure would reach itself through its own cell, a
+    cycle left for the garbage collector on every call.)"""
+    if is_nested(node):
+        return rebuild(node, [_build(child, leaves) for child in children(node)])
+    return next(leaves)
 
 
 def map_structure(fn: Callable[[object], object], value: object) -> Any:

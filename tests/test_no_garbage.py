@@ -30,7 +30,13 @@ async def test_runs_leave_no_cyclic_garbage(strategy):
 
         return await ctx.merge_call(merge_fn, args=(one + ctx.replica_id_in_sync_group,))
 
-    for fn in (constant, reduce, merge):
+    async def nested():  # structures: packed and unpacked per call (_nest.pack_as)
+        ctx = aiodist.get_replica_context()
+        total = await ctx.all_reduce("sum", {"a": np.ones(3), "b": [np.ones(2), one]})
+        gathered = await ctx.all_gather({"x": [np.ones((1, 2))]}, axis=0)
+        return total, gathered
+
+    for fn in (constant, reduce, merge, nested):
         for _ in range(20):  # warm-up: caches, first-use objects
             await strategy.run(fn)
         gc.collect()
