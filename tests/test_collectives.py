@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import re
+import weakref
 
 import numpy as np
 import pytest
@@ -529,6 +532,53 @@ async def test_merge_call_identical_args_stay_single(two):
     await two.run(fn)
     assert seen["same"] is shared
     assert isinstance(seen["differs"][0], aiodist.PerReplica)
+
+
+async def test_a_merge_fn_is_not_kept_alive_after_its_run(two):
+    # merge_call remembers the last function passed (its signature, for the next
+    # replicas): by a weak reference, so what its closure holds is freed with it.
+    class Big:
+        pass
+
+    def make_merge_fn():
+        big = Big()
+
+        def merge_fn(strategy):
+            return big is not None
+
+        return merge_fn, weakref.ref(big)
+
+    merge_fn, big = make_merge_fn()
+
+    async def fn(merge_fn):
+        return await aiodist.get_replica_context().merge_call(merge_fn)
+
+    assert await two.run(fn, args=(merge_fn,)) is True
+    del merge_fn
+    gc.collect()
+    assert big() is None
+
+
+async def test_the_last_merge_fn_against_another_is_still_a_mismatch(two):
+    def merge_a(strategy):
+        return "a"
+
+    def merge_b(strategy):
+        return "b"
+
+    async def same():
+        return await aiodist.get_replica_context().merge_call(merge_a)
+
+    async def differ():
+        return await aiodist.get_replica_context().merge_call(merge_a if rid() else merge_b)
+
+    assert await two.run(same) == "a"  # merge_a is now the function merge_call knows
+    with pytest.raises(aiodist.CollectiveMismatchError) as info:
+        await two.run(differ)
+    message = str(info.value)
+    assert re.search(r"replica 0 called merge_call\([\w.<>]*\.merge_b \(", message)
+    assert re.search(r"replica 1 called merge_call\([\w.<>]*\.merge_a \(", message)
+    assert await two.run(same) == "a"
 
 
 async def test_async_merge_fn_and_per_replica_results_unwrapped(strategy, num_replicas):
