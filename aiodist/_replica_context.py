@@ -183,8 +183,18 @@ class ReplicaContext:
             args = _positional(args, "merge_call")
         kwargs = _EMPTY if kwargs is None else _keywords(kwargs, "merge_call")
         payload = (merge_fn, args, kwargs)
-        return group.arrive(
-            self._replica_id, signature, payload, self._strategy._communication_options
+        options = self._strategy._communication_options
+        if _trace.active is not None or state[_REPLICA] is not self:
+            # Traced, or the default context (whose group's arrive() watches an async
+            # merge_fn's task): through the group.
+            return group.arrive(self._replica_id, signature, payload, options)
+        # A replica of a run, not traced: straight to the rendezvous, as all_reduce.
+        return (group._rendezvous or group.rendezvous).arrive(
+            self._replica_id,
+            signature,
+            payload,
+            options.timeout_seconds,
+            options.stall_warning_seconds,
         )
 
     def all_reduce(
