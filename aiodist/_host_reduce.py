@@ -3,7 +3,7 @@
 ``combine(ufunc, arrays)`` is what ``ReductionToOneDevice`` uses on CPU devices.
 Small inputs take the plain path (one ufunc call per input). Larger ones
 (``POOL_MIN_BYTES`` and up, C-contiguous, one dtype) are reduced block by block
-(``BLOCK`` elements), so the partial result stays in cache while the N inputs
+(``BLOCK_BYTES`` each), so the partial result stays in cache while the N inputs
 stream through it. From ``PARALLEL_MIN_BYTES`` on, the work is split into one
 slice per core: NumPy releases the GIL inside each ufunc call, so the slices
 run in parallel; the caller's thread takes the first slice, a process-wide
@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "BLOCK",
+    "BLOCK_BYTES",
     "PARALLEL_MIN_BYTES",
     "POOL_MIN_BYTES",
     "combine",
@@ -53,7 +53,12 @@ __all__ = [
 POOL_MIN_BYTES = 1 << 16  # from here, results go to pooled buffers, reduced in blocks
 SCRATCH_MAX_BYTES = 1 << 26  # pack buffers kept per thread, at most
 PARALLEL_MIN_BYTES = 1 << 22  # from here, several cores (below, threads cost more)
-BLOCK = 1 << 15  # elements per block: 128 KiB of float32, cache-resident
+# Bytes per block: one core's L2 cache on the 2-core machine of the benchmarks (AMD
+# EPYC, 1 MiB each). Smaller blocks cost more ufunc calls than the cache saves:
+# four replicas' 64 MiB of float32 reduced in 11.0-11.4 ms with 1 MiB blocks,
+# 11.5-12.6 ms with the 128 KiB blocks used before, 17.5 ms without blocks
+# (median of 5 rounds, blocks of 512 KiB to 2 MiB within noise of each other).
+BLOCK_BYTES = 1 << 20
 _WORKERS = max(1, os.cpu_count() or 1)
 _pool: ThreadPoolExecutor | None = None
 
@@ -176,10 +181,13 @@ def _concatenated(leaves: Sequence[Any], dtype: np.dtype) -> np.ndarray:
     return np.concatenate(leaves, axis=None).astype(dtype, copy=False)
 
 
-def _reduce_slice(ufunc: Any, flats: list, out: np.ndarray, start: int, stop: int) -> None:
+def _reduce_slice(
+    ufunc: Any, flats: list, out: np.ndarray, start: int, stop: int, step: int
+) -> None:
+    """Reduce ``flats[:, start:stop]`` into ``out``, ``step`` elements at a time."""
     first, second, rest = flats[0], flats[1], flats[2:]
-    for lo in range(start, stop, BLOCK):
-        hi = min(lo + BLOCK, stop)
+    for lo in range(start, stop, step):
+        hi = min(lo + step, stop)
         block = out[lo:hi]
         ufunc(first[lo:hi], second[lo:hi], out=block)
         for flat in rest:
@@ -247,22 +255,23 @@ def combine(ufunc: Any, arrays: list) -> np.ndarray:
     flats = [a.reshape(-1) for a in arrays]
     flat_out = out.reshape(-1)
     size = flat_out.size
+    block = max(1, BLOCK_BYTES // first.itemsize)  # elements
     if first.nbytes < PARALLEL_MIN_BYTES or _WORKERS == 1:
-        _reduce_slice(ufunc, flats, flat_out, 0, size)
+        _reduce_slice(ufunc, flats, flat_out, 0, size, block)
         return out
     per_worker = -(-size // _WORKERS)
-    per_worker = -(-per_worker // BLOCK) * BLOCK  # whole blocks per worker
+    per_worker = -(-per_worker // block) * block  # whole blocks per worker
     bounds = [(lo, min(lo + per_worker, size)) for lo in range(0, size, per_worker)]
     # Each slice runs in a copy of the caller's context, so NumPy's errstate (a
     # context variable) applies to every slice, not only the caller's.
     pending = [
         _executor().submit(
-            contextvars.copy_context().run, _reduce_slice, ufunc, flats, flat_out, lo, hi
+            contextvars.copy_context().run, _reduce_slice, ufunc, flats, flat_out, lo, hi, block
         )
         for lo, hi in bounds[1:]
     ]
     try:
-        _reduce_slice(ufunc, flats, flat_out, *bounds[0])
+        _reduce_slice(ufunc, flats, flat_out, *bounds[0], block)
     finally:
         wait(pending)  # never leave a slice writing into `out` behind us
     for future in pending:

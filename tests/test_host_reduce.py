@@ -7,7 +7,7 @@ import pytest
 
 import aiodist
 from aiodist._host_reduce import (
-    BLOCK,
+    BLOCK_BYTES,
     PARALLEL_MIN_BYTES,
     POOL_MIN_BYTES,
     SCRATCH_MAX_BYTES,
@@ -16,8 +16,9 @@ from aiodist._host_reduce import (
 )
 from tests.conftest import cpu_devices
 
+BLOCK = BLOCK_BYTES // 4  # float32 elements per block
 LARGE = PARALLEL_MIN_BYTES // 4 + 12345  # float32 elements: not a multiple of BLOCK
-POOLED = POOL_MIN_BYTES // 4 + 777  # pooled and blocked, one thread
+POOLED = 3 * BLOCK + 777  # pooled, several blocks, one thread
 
 
 @pytest.mark.parametrize("size", [POOLED, LARGE], ids=["blocked", "parallel"])
@@ -27,6 +28,7 @@ def test_blocked_and_parallel_paths_match_numpy(size, count, ufunc):
     rng = np.random.default_rng(count)
     arrays = [rng.uniform(0.5, 1.5, size=size).astype(np.float32) for _ in range(count)]
     assert arrays[0].nbytes >= POOL_MIN_BYTES and size % BLOCK
+    assert (size > BLOCK) and (size * 4 < PARALLEL_MIN_BYTES) == (size == POOLED)
     expected = arrays[0].copy()
     for array in arrays[1:]:
         expected = ufunc(expected, array)
