@@ -888,14 +888,15 @@ class RunGroup:
         unstarted = (coro, result) if own else (coro,)
         loop = self._loop or get_running_loop()
         if not _NATIVE_EAGER and loop.get_task_factory() is None:
-            aux = self._aux_table()
             task, outcome = _start_eagerly(self._merged(number, coro), loop, context)
             if outcome is not None:  # merge_fn ended in its first step
                 issued()
                 if outcome[0]:
                     return outcome[1]
                 raise outcome[1]
-            aux[task] = ()  # started: nothing to close if it is cancelled
+            # Tracked from here (the run waits for it, and cancels it with the
+            # replicas); a merge_fn ended in its first step needs no table.
+            self._aux_table()[task] = ()  # started: nothing to close if cancelled
         else:
             try:
                 task = self._spawn(
