@@ -427,9 +427,11 @@ def _dead() -> None:
 # The plain function the last merge_call passed, with its code and signature as
 # _MERGE_SIGNATURES has them. Replicas mostly pass one function object (defined
 # outside the replica function), so all but the first find it here: an identity
-# and a code test instead of the type, attribute and table lookups below, 4.5k
-# instructions less per (c) step (four replicas). Held by a weak reference: a
-# closure may hold large values, which a strategy must not keep alive.
+# and a code test instead of the callable() check and the type, attribute and
+# table lookups below: 243.3k -> 235.4k instructions per (c) step (four replicas).
+# (Closures made afresh by each replica miss it, and pay a weak reference each.)
+# Held by a weak reference: a closure may hold large values, which a strategy must
+# not keep alive.
 _last_merge: tuple[Callable[[], object], CodeType | None, Signature | None] = (_dead, None, None)
 
 
