@@ -30,7 +30,7 @@ from ._cross_device_ops import (
 from ._devices import HOST as _HOST
 from ._devices import Device, parse_device
 from ._errors import ContextError, DeviceError, InvalidArgumentError
-from ._host_reduce import combine_scalars, scalar_total
+from ._host_reduce import scalar_totaller
 from ._input import DistributedDataset, InputContext, InputOptions, from_function
 from ._ops import ReduceOp
 from ._options import CommunicationOptions
@@ -57,10 +57,10 @@ __all__ = [
 ]
 
 _HOST_KINDS = frozenset({np.ndarray, *np.sctypeDict.values()})  # NumPy arrays and scalars
-# (reduce_op as passed, NumPy scalar type) -> (ufunc, divide by count), for
-# strategy.reduce of a PerReplica of such scalars (filled in by _reduce_scalars,
-# once it has checked the dtype reducible by that op).
-_SCALAR_REDUCTIONS: dict[tuple, tuple[Any, bool]] = {}
+# (reduce_op as passed, NumPy scalar type) -> scalar_totaller(ufunc, type, divide by
+# count), for strategy.reduce of a PerReplica of such scalars (filled in by
+# _reduce_scalars, once it has checked the dtype reducible by that op).
+_SCALAR_REDUCTIONS: dict[tuple, Callable[[Sequence], Any]] = {}
 
 
 class ValueContext:
@@ -452,16 +452,16 @@ class Strategy:
             _context.require_cross_replica(self, "reduce")
         if axis is None and type(value) is PerReplica:  # a loss or a count from run()
             # NumPy scalars of a type already reduced with this reduce_op (as passed):
-            # its ufunc and mean flag in one lookup, no op parsing and no checks the
+            # their scalar_total in one lookup, no op parsing and no checks the
             # first call made (16.6k -> 14.2k instructions per call, N = 4).
             parts = value._values
             try:
-                known = _SCALAR_REDUCTIONS.get((reduce_op, type(parts[0])))
+                total = _SCALAR_REDUCTIONS.get((reduce_op, type(parts[0])))
             except TypeError:  # an unhashable reduce_op: refused below
-                known = None
-            if known is not None and self._reduces_scalars(parts):
+                total = None
+            if total is not None and self._reduces_scalars(parts):
                 # combine_scalars, less its one-value case (there are several).
-                return np.asarray(scalar_total(known[0], parts, known[1]))
+                return np.asarray(total(parts))
         op = ReduceOp.of(reduce_op)
         if axis is None and type(value) is PerReplica:
             total = self._reduce_scalars(op, value._values, reduce_op)
@@ -505,11 +505,11 @@ class Strategy:
         if dtype not in reducible:  # checked once per op and dtype, as all_reduce does
             check_reducible(op, parts[0], "reduce")
             reducible.add(dtype)
-        known = (_NUMPY_UFUNCS[op], op._row.divide_by_count)
+        total = scalar_totaller(_NUMPY_UFUNCS[op], kind, op._row.divide_by_count)
         if len(_SCALAR_REDUCTIONS) >= _ONE_ARRAY_LIMIT:
             _SCALAR_REDUCTIONS.clear()
-        _SCALAR_REDUCTIONS[reduce_op, kind] = known
-        return combine_scalars(known[0], parts, known[1])
+        _SCALAR_REDUCTIONS[reduce_op, kind] = total
+        return np.asarray(total(parts))  # combine_scalars, less its one-value case
 
     async def gather(self, value: Any, axis: int) -> Any:
         """Concatenate the components of ``value`` (one value, as for ``reduce``)
