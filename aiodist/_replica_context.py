@@ -169,10 +169,15 @@ class ReplicaContext:
         # A per-step hot path too, written like all_reduce's.
         state = _STATE.get()
         group = state[_GROUP] if state[_REPLICA] is self else self._group("merge_call")
-        last, code, signature = _last_merge
+        last, code, name, signature = _last_merge
         # The function the last merge_call passed (every replica's, usually): its
         # signature, with no checks and no lookups (see _last_merge).
-        if last() is not merge_fn or merge_fn.__code__ is not code:
+        if (
+            last() is not merge_fn
+            or merge_fn is None  # (a dead reference answers None too)
+            or merge_fn.__code__ is not code
+            or merge_fn.__qualname__ is not name
+        ):
             if not callable(merge_fn):
                 raise InvalidArgumentError(
                     f"merge_call: merge_fn={merge_fn!r} is not callable; expected a "
@@ -424,15 +429,22 @@ def _dead() -> None:
     """What ``_last_merge``'s reference gives before any merge_call."""
 
 
-# The plain function the last merge_call passed, with its code and signature as
-# _MERGE_SIGNATURES has them. Replicas mostly pass one function object (defined
-# outside the replica function), so all but the first find it here: an identity
-# and a code test instead of the callable() check and the type, attribute and
-# table lookups below: 243.3k -> 235.4k instructions per (c) step (four replicas).
-# (Closures made afresh by each replica miss it, and pay a weak reference each.)
-# Held by a weak reference: a closure may hold large values, which a strategy must
-# not keep alive.
-_last_merge: tuple[Callable[[], object], CodeType | None, Signature | None] = (_dead, None, None)
+# The plain function the last merge_call passed, with its code, qualified name and
+# signature as _MERGE_SIGNATURES has them (a function renamed or given new code
+# since is looked up afresh; aiodist sets _aiodist_key on its own merge functions
+# before their first call). Replicas mostly pass one function object (defined
+# outside the replica function), so all but the first find it here: identity tests
+# instead of the callable() check and the type, attribute and table lookups below:
+# 243.3k -> 235.4k instructions per (c) step (four replicas). (Closures made afresh
+# by each replica miss it, and pay a weak reference each.) Held by a weak
+# reference: a closure may hold large values, which a strategy must not keep alive;
+# a dead one answers None, as _dead does.
+_last_merge: tuple[Callable[[], object], CodeType | None, str | None, Signature | None] = (
+    _dead,
+    None,
+    None,
+    None,
+)
 
 
 def _merge_signature(merge_fn: Callable) -> Signature:
@@ -446,7 +458,7 @@ def _merge_signature(merge_fn: Callable) -> Signature:
             if len(_MERGE_SIGNATURES) >= _ONE_ARRAY_LIMIT:  # many definitions: afresh
                 _MERGE_SIGNATURES.clear()
             entry = _MERGE_SIGNATURES[id(code)] = (code, name, signature)
-        _last_merge = (weakref.ref(merge_fn), code, entry[2])
+        _last_merge = (weakref.ref(merge_fn), code, name, entry[2])
         return entry[2]
 
     describe = partial(_merge_text, merge_fn)

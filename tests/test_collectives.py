@@ -581,6 +581,51 @@ async def test_the_last_merge_fn_against_another_is_still_a_mismatch(two):
     assert await two.run(same) == "a"
 
 
+async def test_merge_call_of_none_is_refused_when_the_last_function_has_died(two):
+    # The remembered function's weak reference answers None once it is gone, as
+    # before any merge_call: None must not pass for it.
+    def make():
+        def merge_fn(strategy):
+            return 1
+
+        return merge_fn
+
+    merge_fn = make()
+
+    async def remembered(merge_fn):
+        return await aiodist.get_replica_context().merge_call(merge_fn)
+
+    assert await two.run(remembered, args=(merge_fn,)) == 1
+    del merge_fn
+    gc.collect()
+
+    async def none():
+        return await aiodist.get_replica_context().merge_call(None)
+
+    with pytest.raises(aiodist.InvalidArgumentError, match="merge_fn=None is not callable"):
+        await two.run(none)
+    with pytest.raises(aiodist.InvalidArgumentError, match="merge_fn=None is not callable"):
+        await aiodist.get_replica_context().merge_call(None)
+
+
+async def test_a_remembered_function_renamed_matches_its_new_name(two):
+    def merge_fn(strategy):
+        return "a"
+
+    async def step(fn):
+        return await aiodist.get_replica_context().merge_call(fn)
+
+    assert await two.run(step, args=(merge_fn,)) == "a"
+    merge_fn.__qualname__ = "renamed"
+
+    def other(strategy):
+        return "b"
+
+    # Another function of the same code under the new name: the same merge_call.
+    other.__code__, other.__qualname__ = merge_fn.__code__, "renamed"
+    assert await two.run(step, args=(aiodist.PerReplica([merge_fn, other]),)) == "a"
+
+
 async def test_async_merge_fn_and_per_replica_results_unwrapped(strategy, num_replicas):
     async def merge_fn(dist, value):
         await asyncio.sleep(0)
