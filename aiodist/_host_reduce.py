@@ -53,11 +53,13 @@ __all__ = [
 POOL_MIN_BYTES = 1 << 16  # from here, results go to pooled buffers, reduced in blocks
 SCRATCH_MAX_BYTES = 1 << 26  # pack buffers kept per thread, at most
 PARALLEL_MIN_BYTES = 1 << 22  # from here, several cores (below, threads cost more)
-# Bytes per block: one core's L2 cache on the 2-core machine of the benchmarks (AMD
-# EPYC, 1 MiB each). Smaller blocks cost more ufunc calls than the cache saves:
-# four replicas' 64 MiB of float32 reduced in 11.0-11.4 ms with 1 MiB blocks,
-# 11.5-12.6 ms with the 128 KiB blocks used before, 17.5 ms without blocks
-# (median of 5 rounds, blocks of 512 KiB to 2 MiB within noise of each other).
+# Bytes per block: the size of one core's L2 cache on the 2-core machine of the
+# benchmarks (AMD EPYC, 1 MiB each, with 32 MiB of L3 behind them). Measured there,
+# combine() of four replicas' 64 MiB of float32: 11.0-11.4 ms with 1 MiB blocks,
+# 11.5-12.6 ms with the 128 KiB blocks used before (more ufunc calls), 17.5 ms
+# without blocks (the partial result read and written from memory per input);
+# blocks of 512 KiB to 2 MiB were within noise of each other (median of 5 rounds).
+# On the parallel path a block is at most one worker's share (see combine).
 BLOCK_BYTES = 1 << 20
 _WORKERS = max(1, os.cpu_count() or 1)
 _pool: ThreadPoolExecutor | None = None
@@ -230,7 +232,7 @@ def scalar_totaller(ufunc: Any, kind: type, mean: bool = False) -> Any:
     """``scalar_total(ufunc, values, mean)`` for ``values`` of NumPy scalar type
     ``kind``, as one callable of ``values``: without a mean, ``functools.reduce``
     of the operator ``scalar_total`` would pick, bound to it (no Python call per
-    use, about 1.4k instructions less for four float32 scalars)."""
+    use: 1.6k instructions less per (c) step, four float32 scalars)."""
     if mean:
         return partial(scalar_total, ufunc, mean=True)
     inexact = issubclass(kind, np.inexact)
@@ -271,7 +273,10 @@ def combine(ufunc: Any, arrays: list) -> np.ndarray:
         _reduce_slice(ufunc, flats, flat_out, 0, size, block)
         return out
     per_worker = -(-size // _WORKERS)
-    per_worker = -(-per_worker // block) * block  # whole blocks per worker
+    # Whole blocks per worker, a block no larger than a worker's share: with many
+    # cores, blocks rounded up past it would leave workers without a slice.
+    block = min(block, per_worker)
+    per_worker = -(-per_worker // block) * block
     bounds = [(lo, min(lo + per_worker, size)) for lo in range(0, size, per_worker)]
     # Each slice runs in a copy of the caller's context, so NumPy's errstate (a
     # context variable) applies to every slice, not only the caller's.
