@@ -284,9 +284,10 @@ def _regroup_nested(values: Sequence[object], devices: Any, what: str, path: str
     holds them, about 16 ns each on Python 3.11.)
     """
     first = values[0]
-    nested = [_nest.is_nested(value) for value in values]
-    odd = [i for i, value in enumerate(values) if not _same_container(first, value)]
-    if not all(nested) or odd:
+    nested = all(_nest.is_nested(value) for value in values)
+    # (Containers compared only when all are: a leaf has no length to compare.)
+    odd = nested and [i for i, value in enumerate(values) if not _same_container(first, value)]
+    if not nested or odd:
         shapes = "; ".join(f"replica {i}: {_describe(v)}" for i, v in enumerate(values))
         where = f" at {path}" if path else ""
         raise InvalidArgumentError(

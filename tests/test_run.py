@@ -128,6 +128,30 @@ async def test_mismatched_result_structures_raise_naming_replicas(two):
         await two.run(fn)
 
 
+async def test_a_leaf_against_a_container_raises_naming_replicas(two):
+    # A leaf on one replica where another has a list, in a result and in merge_call
+    # args: the structure error, not a TypeError from comparing the leaf's length.
+    async def result():
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        return [1 if rid == 0 else [1]]
+
+    with pytest.raises(
+        aiodist.InvalidArgumentError, match=r"at \[0\] \(replica 0: a leaf \(int\); replica 1: list"
+    ):
+        await two.run(result)
+
+    async def args():
+        ctx = aiodist.get_replica_context()
+        leaf = 1 if ctx.replica_id_in_sync_group == 0 else [1]
+        return await ctx.merge_call(lambda strategy, value: value, args=(leaf,))
+
+    with pytest.raises(
+        aiodist.InvalidArgumentError,
+        match=r"passed to merge_call different structures at args\[0\]",
+    ):
+        await two.run(args)
+
+
 async def test_args_must_be_list_or_tuple(two):
     async def fn(x):
         return x
