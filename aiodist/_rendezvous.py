@@ -160,6 +160,11 @@ def _closed(number: int, signature: Signature, payloads: list) -> list:
 class Rendezvous:
     """Matches the collective calls of ``num_replicas`` replicas by call number."""
 
+    # Set by close(quiet=True): the owner raises an error of its own, so calls that
+    # fail even after that (an async merge_fn cancelled with its run, whose result
+    # is delivered by a callback that may run after close) are not logged either.
+    _quiet = False
+
     def __init__(
         self,
         num_replicas: int,
@@ -276,8 +281,9 @@ class Rendezvous:
                 if call.failure is None:  # a failed call's timer was cancelled then
                     self._fail(call, self._closed_error())
             self._pending.clear()
-        if quiet and self._failed:
-            for call in self._failed:
+        if quiet:
+            self._quiet = True
+            for call in self._failed or ():
                 for future in call.futures:
                     if future is not None and future.done() and not future.cancelled():
                         future.exception()  # marks it retrieved
@@ -403,6 +409,8 @@ class Rendezvous:
         for future in call.futures:
             if future is not None and not future.done():
                 future.set_exception(exc)
+                if self._quiet:  # failed after a quiet close (see _quiet)
+                    future.exception()  # marks it retrieved
 
     def _time_out(self, call: _Call) -> None:
         call.timer = None

@@ -507,6 +507,33 @@ async def test_collectives_started_and_never_awaited_log_nothing_when_the_run_fa
     assert "never retrieved" not in caplog.text
 
 
+async def test_a_merge_call_never_awaited_logs_nothing_when_its_run_fails_meanwhile(two, caplog):
+    # Replica 0 starts a merge_call and raises before awaiting it, while the async
+    # merge_fn waits: the run fails with that error, merge_fn is cancelled, and the
+    # call fails only after the run has closed its rendezvous (its result comes by a
+    # callback that runs later). That failure is not logged as never retrieved.
+    started = asyncio.Event()
+
+    async def merge_fn(strategy):
+        started.set()
+        await asyncio.Event().wait()
+
+    async def step():
+        pending = aiodist.get_replica_context().merge_call(merge_fn)
+        if rid() == 0:
+            await started.wait()
+            raise ValueError("boom")
+        return await pending
+
+    for _ in range(2):
+        with pytest.raises(ValueError, match="boom"):
+            await two.run(step)
+        started.clear()
+        await asyncio.sleep(0)  # the callback that fails the call
+        gc.collect()
+    assert "never retrieved" not in caplog.text
+
+
 async def test_a_failed_run_is_freed_at_once_while_stall_reports_are_armed(two):
     """The stall watchdog's timer is armed from the first replica's collective; it must
     not keep that replica's context, and with it the run, its failure's traceback and
