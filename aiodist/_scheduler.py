@@ -901,8 +901,7 @@ class RunGroup:
                 issued()
                 raise
             if outcome is not _SUSPENDED:  # merge_fn ended in its first step
-                if backend is not None:  # (on the host, _nothing: a call less)
-                    issued()
+                issued()
                 return outcome
             # Tracked from here (the run waits for it, and cancels it with the
             # replicas); a merge_fn ended in its first step needs no table.
@@ -946,8 +945,6 @@ class RunGroup:
         finally:
             if self._aux:  # (empty when it ends in its eager first step: no lookup)
                 self._aux.pop(asyncio.current_task(self._loop), None)
-        if not isinstance(result, _MAY_HOLD_DISTRIBUTED):  # _for_each_replica's first
-            return [result] * self.num_replicas  # case, a call sooner (about 0.5k)
         return self._for_each_replica(result)
 
     def _for_each_replica(self, value: object) -> list:

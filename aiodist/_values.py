@@ -242,14 +242,9 @@ def regroup(
     """
     first = values[0]
     # `first is values[-1]` settles the usual case (distinct per-replica results)
-    # without a loop. (_nest.all_are written out: a call less when every replica
-    # returned one object, as a merge_call's result, about 0.6k instructions.)
-    if first is values[-1]:
-        for value in values:
-            if value is not first:
-                break
-        else:
-            return first
+    # without a loop.
+    if first is values[-1] and _nest.all_are(values, first):
+        return first
     kind = type(first)
     if not issubclass(kind, _NESTED):
         # The usual case, once per run: leaves of one type (arrays), so none is a
