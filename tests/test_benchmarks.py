@@ -10,7 +10,17 @@ import sys
 import pytest
 
 from benchmarks import instructions, workloads
-from benchmarks.__main__ import IN_FLIGHT, _scaling, _scaling_table, main
+from benchmarks.__main__ import (
+    FLOORED,
+    IN_FLIGHT,
+    ROWS,
+    _floored_round,
+    _scaling,
+    _scaling_table,
+    _table,
+    _x_floor,
+    main,
+)
 
 
 @pytest.mark.parametrize(
@@ -44,6 +54,30 @@ async def test_workloads_and_floors_measure_positive_seconds_per_step():
     for measure in (workloads.measure_f, workloads.floor_f):  # runs in flight at once
         seconds = await measure(2, 24, concurrent=8)
         assert 0 < seconds < 1, measure.__name__
+
+
+async def test_floored_workloads_are_judged_by_the_ratios_of_their_rounds():
+    rounds = [await _floored_round(2, 10) for _ in range(3)]
+    assert all(set(r) == {*FLOORED, *FLOORED.values()} for r in rounds)
+    assert all(0 < t < 1 for r in rounds for t in r.values())
+    ratios = _x_floor(rounds)
+    for key, floor in FLOORED.items():  # each ratio from one round's own floor
+        assert ratios[key] == sorted(r[key] / r[floor] for r in rounds)[1]
+
+
+def test_the_table_shows_the_paired_ratio_not_the_ratio_of_medians():
+    # Medians of 30 us over 10 us would read 3.00x; the rounds said 2.25x.
+    times = {key: 30e-6 for key, _, _ in ROWS} | dict.fromkeys(FLOORED.values(), 10e-6)
+    per_loop = {**times, "x_floor": dict.fromkeys(FLOORED, 2.25)}
+    numpy = {f"numpy_{mib}MiB": 10e-6 for mib in (1, 16, 64)}
+    report = {
+        "loops": ["uvloop"],
+        "results": {"4": {"uvloop": per_loop, "numpy": numpy}},
+        "tensorflow": {},
+    }
+    ratios = {line[:3]: line.split()[-1] for line in _table(report).splitlines()[2:] if line}
+    assert ratios["(a)"] == ratios["(b)"] == ratios["(c)"] == "2.25x"
+    assert ratios["(g)"] == "1.00x"  # (g) against (b): no rounds, the ratio of medians
 
 
 def test_the_scaling_table_has_a_row_per_count_in_flight():
