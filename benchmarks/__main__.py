@@ -72,8 +72,8 @@ def _steps(quick: bool) -> dict:
 # next: one run of the suite had the (b)/(c) floor at 16.2 us where every other
 # run before and after had 12.3-12.8 us, and (c) at 1.82x its floor instead of
 # about 2.3x. A workload and its floor measured in turn share their conditions,
-# and the median of 15 rounds (3 per repeat) is moved less by a burst than the
-# ratio of two medians of 5 blocks each.
+# and the median over all rounds (3 per repeat: 15 in a full run) is moved less
+# by a burst than the ratio of two medians of one block per repeat each.
 FLOORED = {
     "a_run_constant": "floor_a",
     "b_all_reduce_scalar": "floor_bc",
