@@ -257,7 +257,8 @@ async def _replica(
             result = await coro
         else:
             fn, args, kwargs = call
-            result = fn(*args, **kwargs)
+            # (No dict built for empty kwargs: see _coroutines.)
+            result = fn(*args, **kwargs) if kwargs else fn(*args)
             if _awaitable(result):
                 result = await result
     except BaseException:
@@ -571,9 +572,13 @@ class RunGroup:
                 # The usual run (an async def on host replicas, arguments for all): one
                 # frame per replica, no slot fields read (a NamedTuple field costs an
                 # unspecialised attribute lookup on Python 3.11).
+                # fn(*args) when there are no keyword arguments (the usual run):
+                # fn(*args, **kwargs) builds a dict on every call, even from an empty
+                # one (0.2k instructions per replica).
+                make = partial(fn, **kwargs) if kwargs else fn
                 for rid, replica in enumerate(strategy._replica_contexts):
                     state = (strategy, replica, True, self)
-                    append(_replica(self, rid, state, fn(*args, **kwargs)))
+                    append(_replica(self, rid, state, make(*args)))
                 return coroutines
             for slot in self.slots:
                 rid = slot.replica_id

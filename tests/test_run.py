@@ -86,6 +86,33 @@ async def test_distributed_args_are_unwrapped_in_nested_structures(strategy, num
     assert strategy.experimental_local_results(result) == tuple(range(num_replicas))
 
 
+@pytest.mark.parametrize("kind", ["async def", "plain def"])
+async def test_plain_keyword_arguments_reach_every_replica_in_a_dict_of_its_own(two, kind):
+    # Arguments with no distributed value go to every replica as they are; each
+    # call still gets a dict of its own, so a replica changing it changes no other's.
+    def body(first, *, scale, **extra):
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        extra[f"seen by {rid}"] = True
+        return first * scale + rid, sorted(extra)
+
+    async def coroutine(first, *, scale, **extra):
+        return body(first, scale=scale, **extra)
+
+    fn = coroutine if kind == "async def" else body
+    kwargs = {"scale": 10, "other": None}
+    result = await two.run(fn, args=(2,), kwargs=kwargs)
+    assert two.experimental_local_results(result[0]) == (20, 21)
+    assert two.experimental_local_results(result[1]) == (
+        ["other", "seen by 0"],
+        ["other", "seen by 1"],
+    )
+    assert kwargs == {"scale": 10, "other": None}
+    assert two.experimental_local_results(await two.run(fn, args=(1,), kwargs={"scale": 3})) == (
+        (3, ["seen by 0"]),
+        (4, ["seen by 1"]),
+    )
+
+
 async def test_results_regroup_identical_objects_stay_single(two):
     shared = np.zeros(3)
 
