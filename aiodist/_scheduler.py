@@ -264,8 +264,12 @@ async def _replica(
     except BaseException:
         group._replica_raised(rid)
         raise
-    if group._rendezvous is not None:
-        group._rendezvous.replica_exited(rid, "returned")
+    rendezvous = group._rendezvous
+    if rendezvous is not None:
+        if rendezvous._pending:  # calls in flight: those it never joined fail now
+            rendezvous.replica_exited(rid, "returned")
+        else:  # the usual case: noted, as replica_exited would (see Rendezvous.exited)
+            rendezvous.exited[rid] = "returned"
     group._results[rid] = result
     group._remaining -= 1
     if not group._remaining and not group._all_done.done():

@@ -123,6 +123,24 @@ async def test_exit_after_joining_everything_is_harmless():
     assert (await a, await b) == (3, 4)
 
 
+async def test_an_arrival_after_the_replica_exited_fails_and_so_do_later_calls():
+    # A task a replica left behind (in its context) may still call a collective
+    # after the replica returned: that call, and the others' at that number and
+    # after it, fail as calls the replica never made, instead of waiting.
+    rv = Rendezvous(3, Recorder())
+    done = [rv.arrive(r, SUM, 1) for r in range(3)]  # call #0 completes
+    rv.replica_exited(0, "returned")
+    late = rv.arrive(0, SUM, 1)  # call #1, from replica 0 after it returned
+    with pytest.raises(ReplicaExitedError, match=r"sum #1: replica 0 returned without call"):
+        await late
+    others = [rv.arrive(r, SUM, 1) for r in (1, 2)]  # call #1 (failed) and ...
+    others.append(rv.arrive(1, SUM, 1))  # ... call #2, which replica 0 never made
+    for future in others:
+        with pytest.raises(ReplicaExitedError, match="replica 0 returned without calling"):
+            await future
+    assert [await f for f in done] == [3, 4, 5]
+
+
 async def test_timeout_names_missing_replicas():
     rv = Rendezvous(4, Recorder())
     futures = [rv.arrive(r, SUM, 1, timeout=0.02) for r in (0, 3)]
