@@ -217,7 +217,6 @@ def _table(report: dict) -> str:
             times = [per_n[name][key] for name in loops]
             ours = per_n[best][key]
             baseline, ratio = "", ""
-            paired = per_n[best]["x_floor"].get(key)
             if key in FLOORED:
                 base = per_n[best][FLOORED[key]]
             elif key.startswith("g_"):
@@ -229,7 +228,8 @@ def _table(report: dict) -> str:
                 base = None
             if base is not None:
                 # A floored workload's ratio is paired round by round (see FLOORED).
-                baseline, ratio = _fmt_time(base), f"{paired or ours / base:9.2f}x"
+                x = per_n[best]["x_floor"][key] if key in FLOORED else ours / base
+                baseline, ratio = _fmt_time(base), f"{x:9.2f}x"
             eager = tf.get(key, {}).get("eager")
             function = tf.get(key, {}).get("function")
             vs_eager = f"{eager / ours:10.1f}x" if eager else ""
