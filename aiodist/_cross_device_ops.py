@@ -285,12 +285,13 @@ class CrossDeviceOps:
             return self._all_reduce_flat(op, per_replica, devices, options, streams)
         return self._all_reduce_flat(op, per_replica, devices, options, streams, layout)
 
-    def _host_scalars_by_arithmetic(self) -> bool:
-        """Whether NumPy scalars on the host may be combined by scalar arithmetic
-        (``scalar_total``) instead of through ``_reduce_arrays``: only by
-        ``ReductionToOneDevice`` itself, with its default sum, reducing where the
-        values are (the replicas' all-reduce and ``strategy.reduce`` both ask)."""
-        return False
+    # Whether NumPy scalars on the host may be combined by scalar arithmetic
+    # (``scalar_total``) instead of through ``_reduce_arrays``: only by
+    # ``ReductionToOneDevice`` itself, with its default sum, reducing where the values
+    # are (the replicas' all-reduce and ``strategy.reduce`` both read it). A flag kept
+    # current by that class's setters, not a method: read on every scalar reduction,
+    # a call there cost 1k instructions of a (c) step.
+    _host_scalars_by_arithmetic = False
 
     def _batches_its_own_way(self) -> bool:
         """Whether a subclass overrides ``_all_reduce_flat`` (NCCL does) instead of
@@ -492,27 +493,58 @@ class ReductionToOneDevice(CrossDeviceOps):
             always use their element-wise ufunc.
 
     Works for any mix of CPU devices, and for several replicas on one device.
+    Both settings may be changed later, by assigning the attributes.
     """
+
+    _reduce_to_device: Device | None = None
+    _accumulation_fn: Callable[[list], Any] | None = None
 
     def __init__(
         self,
         reduce_to_device: str | Device | None = None,
         accumulation_fn: Callable[[list], Any] | None = None,
     ):
-        self.reduce_to_device = None if reduce_to_device is None else parse_device(reduce_to_device)
-        if accumulation_fn is not None and not callable(accumulation_fn):
-            raise InvalidArgumentError(
-                f"accumulation_fn={accumulation_fn!r} is not callable; expected a function "
-                "taking a list of arrays and returning their element-wise sum, or None."
-            )
+        self.reduce_to_device = reduce_to_device  # (through the setters below)
         self.accumulation_fn = accumulation_fn
 
+    @property
+    def reduce_to_device(self) -> Device | None:
+        """Where values are combined (None: the first destination)."""
+        return self._reduce_to_device
+
+    @reduce_to_device.setter
+    def reduce_to_device(self, device: str | Device | None) -> None:
+        self._reduce_to_device = None if device is None else parse_device(device)
+        self._settings_changed()
+
+    @property
+    def accumulation_fn(self) -> Callable[[list], Any] | None:
+        """What adds values for SUM and MEAN (None: element-wise addition)."""
+        return self._accumulation_fn
+
+    @accumulation_fn.setter
+    def accumulation_fn(self, fn: Callable[[list], Any] | None) -> None:
+        if fn is not None and not callable(fn):
+            raise InvalidArgumentError(
+                f"accumulation_fn={fn!r} is not callable; expected a function "
+                "taking a list of arrays and returning their element-wise sum, or None."
+            )
+        self._accumulation_fn = fn
+        self._settings_changed()
+
+    def _settings_changed(self) -> None:
+        self._host_scalars_by_arithmetic = (
+            type(self) is ReductionToOneDevice  # a subclass may reduce its own way
+            and self._accumulation_fn is None
+            and self._reduce_to_device is None
+        )
+
     def __repr__(self) -> str:
-        device = None if self.reduce_to_device is None else str(self.reduce_to_device)
+        device = None if self._reduce_to_device is None else str(self._reduce_to_device)
         return f"ReductionToOneDevice(reduce_to_device={device!r})"
 
     def _gather_device(self, destinations: Sequence[Device]) -> Device:
-        return self.reduce_to_device or destinations[0]
+        return self._reduce_to_device or destinations[0]
 
     # The last device tuple found to be all host devices (runs pass the same tuple).
     _host_devices: Sequence[Device] | None = None
@@ -526,7 +558,7 @@ class ReductionToOneDevice(CrossDeviceOps):
         streams: Sequence[Any] = (),
     ) -> list:
         if (
-            self._host_scalars_by_arithmetic()
+            self._host_scalars_by_arithmetic
             and isinstance(arrays[0], np.generic)
             and (devices is self._host_devices or self._on_host(devices))
         ):
@@ -538,13 +570,6 @@ class ReductionToOneDevice(CrossDeviceOps):
             return _scalar_views(total, len(devices))
         return super()._all_reduce_one(op, arrays, devices, options, streams)
 
-    def _host_scalars_by_arithmetic(self) -> bool:
-        return (
-            type(self) is ReductionToOneDevice  # a subclass may reduce its own way
-            and self.accumulation_fn is None
-            and self.reduce_to_device is None
-        )
-
     def _on_host(self, devices: Sequence[Device]) -> bool:
         if _all_cpu(devices):
             self._host_devices = devices
@@ -552,7 +577,7 @@ class ReductionToOneDevice(CrossDeviceOps):
         return False
 
     def _check_devices(self, devices: Sequence[Device]) -> None:
-        target = self.reduce_to_device
+        target = self._reduce_to_device
         if target is not None and any(d.kind != target.kind for d in devices):
             raise InvalidArgumentError(
                 f"ReductionToOneDevice(reduce_to_device={str(target)!r}) cannot serve "
@@ -562,7 +587,7 @@ class ReductionToOneDevice(CrossDeviceOps):
             )
 
     def _reduce_arrays(self, op: ReduceOp, arrays: Sequence[Any], target: Device) -> Any:
-        target = self.reduce_to_device or target
+        target = self._reduce_to_device or target
         backend = backend_for(target)
         xp = backend.xp
         if backend is cpu_backend:  # host arrays are already where they need to be
@@ -572,9 +597,9 @@ class ReductionToOneDevice(CrossDeviceOps):
         if op.divides_by_count and values[0].dtype.kind in "iu":
             with backend.on_device(target):
                 values = [mean_operand(value) for value in values]
-        if self.accumulation_fn is not None and op in (ReduceOp.SUM, ReduceOp.MEAN):
+        if self._accumulation_fn is not None and op in (ReduceOp.SUM, ReduceOp.MEAN):
             with backend.on_device(target):
-                total = backend.asarray(self.accumulation_fn(values), target)
+                total = backend.asarray(self._accumulation_fn(values), target)
                 if _aliases(total, values):
                     # It handed back an input (or a view of one): MEAN would divide
                     # the replica's own value, and results would share its memory.

@@ -746,7 +746,7 @@ async def test_async_merge_fn_runs_in_its_own_task(two):
         return await aiodist.get_replica_context().merge_call(merge_fn)
 
     assert await two.run(fn) == "timed out inside merge_fn"
-    assert not tasks[0].get_name().startswith("aiodist-replica")
+    assert tasks[0].get_name() == "aiodist-merge_fn"
 
 
 async def test_async_merge_fn_that_never_suspends(two):

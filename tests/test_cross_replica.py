@@ -304,6 +304,35 @@ async def test_reduction_to_one_device_options():
         aiodist.ReductionToOneDevice(accumulation_fn=1)
 
 
+async def test_reduction_settings_assigned_later_apply_to_scalars_too():
+    """NumPy scalars take a shortcut only the default settings allow: assigning
+    accumulation_fn or reduce_to_device after construction turns it off (and back)."""
+    ops = aiodist.ReductionToOneDevice()
+    strategy = aiodist.MirroredStrategy(cpu_devices(2), cross_device_ops=ops)
+    ones = aiodist.PerReplica([np.float32(1), np.float32(1)])
+
+    async def fn():
+        return await aiodist.get_replica_context().all_reduce("sum", np.float32(1))
+
+    async def sums():
+        reduced = await strategy.reduce("sum", ones, axis=None)
+        replicas = strategy.experimental_local_results(await strategy.run(fn))
+        return [float(reduced), *map(float, replicas)]
+
+    assert await sums() == [2.0, 2.0, 2.0]
+    ops.accumulation_fn = lambda xs: sum(xs) / 2
+    assert await sums() == [1.0, 1.0, 1.0]
+    ops.accumulation_fn = None
+    assert await sums() == [2.0, 2.0, 2.0]
+    ops.reduce_to_device = "cpu:1"
+    assert ops.reduce_to_device == aiodist.Device("CPU", 1)
+    assert repr(ops) == "ReductionToOneDevice(reduce_to_device='/device:CPU:1')"
+    assert await sums() == [2.0, 2.0, 2.0]
+    with pytest.raises(ValueError, match=r"accumulation_fn=1 is not callable"):
+        ops.accumulation_fn = 1
+    assert ops.accumulation_fn is None
+
+
 async def test_cross_device_ops_directly():
     ops = aiodist.ReductionToOneDevice()
     value = aiodist.PerReplica([np.array([1, 2]), np.array([3, 4])], devices=None)

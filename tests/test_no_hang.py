@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import time
 import weakref
 
 import numpy as np
@@ -343,6 +344,27 @@ async def test_timeout_bounds_a_slow_async_merge_fn():
     errors, raised = await run_collecting(strategy, fn)
     assert isinstance(raised, aiodist.RendezvousTimeoutError)
     assert "merge_call #0: merge_fn did not finish within 0.05 s" in str(raised)
+    assert sorted(errors) == [0, 1]
+
+
+async def test_a_merge_fns_timeout_counts_from_its_start_not_its_first_suspension():
+    # merge_fn's first step runs before its task's timeout scope is entered (see
+    # RunGroup._merge); the deadline is still set when merge_fn starts.
+    strategy = aiodist.MirroredStrategy(
+        cpu_devices(2), communication_options=aiodist.CommunicationOptions(timeout_seconds=0.05)
+    )
+
+    async def merge_fn(s):
+        time.sleep(0.04)  # a first step that blocks the loop most of the 0.05 s
+        await asyncio.sleep(0.03)  # within 0.05 s of the suspension, not of the start
+        return "finished"
+
+    async def fn():
+        return await aiodist.get_replica_context().merge_call(merge_fn)
+
+    errors, raised = await run_collecting(strategy, fn)
+    assert isinstance(raised, aiodist.RendezvousTimeoutError)
+    assert "merge_fn did not finish within 0.05 s" in str(raised)
     assert sorted(errors) == [0, 1]
 
 
