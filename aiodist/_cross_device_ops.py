@@ -291,7 +291,7 @@ class CrossDeviceOps:
     # are (the replicas' all-reduce and ``strategy.reduce`` both read it). A flag kept
     # current by that class's setters, not a method: read on every scalar reduction,
     # a call there cost 1k instructions of a (c) step.
-    _host_scalars_by_arithmetic = False
+    _scalars_by_arithmetic = False
 
     def _batches_its_own_way(self) -> bool:
         """Whether a subclass overrides ``_all_reduce_flat`` (NCCL does) instead of
@@ -533,7 +533,7 @@ class ReductionToOneDevice(CrossDeviceOps):
         self._settings_changed()
 
     def _settings_changed(self) -> None:
-        self._host_scalars_by_arithmetic = (
+        self._scalars_by_arithmetic = (
             type(self) is ReductionToOneDevice  # a subclass may reduce its own way
             and self._accumulation_fn is None
             and self._reduce_to_device is None
@@ -558,7 +558,7 @@ class ReductionToOneDevice(CrossDeviceOps):
         streams: Sequence[Any] = (),
     ) -> list:
         if (
-            self._host_scalars_by_arithmetic
+            self._scalars_by_arithmetic
             and isinstance(arrays[0], np.generic)
             and (devices is self._host_devices or self._on_host(devices))
         ):

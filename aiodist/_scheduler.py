@@ -177,8 +177,8 @@ def _first_then_rest(coro: Any, rest: Callable[[Any], Any] | None = None, *args:
     """The coroutine of a task made by ``_start_eagerly``: ``coro``'s first step,
     taken there, then, if it suspended, the rest, stepped by the task, awaited
     through ``rest(remaining, *args)`` when ``rest`` is given (``RunGroup._merged``:
-    a merge_fn's timeout and its result for each replica, needed only once it has
-    suspended; a first step that ends ``coro`` is answered by the caller).
+    a merge_fn's result for each replica, needed only once it has suspended; a first
+    step that ends ``coro`` is answered by the caller).
 
     The first step's outcome is yielded back to ``_start_eagerly``: ``coro``'s
     value if it ended (the task's own first step then resumes this and ends, with
@@ -915,14 +915,16 @@ class RunGroup:
         own = type(result) is CoroutineType and result is not coro
         unstarted = (coro, result) if own else (coro,)
         loop = self._loop or get_running_loop()
-        # timeout_seconds bounds merge_fn from its start (see _merged).
         timeout = self.strategy._communication_options.timeout_seconds
-        deadline = None if timeout is None else loop.time() + timeout
         if not _NATIVE_EAGER and loop.get_task_factory() is None:
-            # merge_fn's coroutine stepped directly; _merged wraps only what follows a
-            # first step that suspends (a coroutine less to make and step when it does
-            # not: 2.xk instructions of a (c) step).
-            body = _first_then_rest(coro, self._merged, number, timeout, deadline)
+            if timeout is None:
+                # merge_fn's own coroutine stepped directly: _merged (each replica's
+                # share) wraps only what follows a first step that suspends (a
+                # coroutine less to make and step when it does not: 1.2k instructions
+                # of a (c) step).
+                body = _first_then_rest(coro, self._merged, number, None)
+            else:  # its timeout scope entered in the first step, before merge_fn starts
+                body = _first_then_rest(self._merged(coro, number, timeout))
             try:
                 task, outcome = _start_eagerly(body, loop, context)
             except BaseException:  # merge_fn raised in its first step
@@ -930,14 +932,15 @@ class RunGroup:
                 raise
             if outcome is not _SUSPENDED:  # merge_fn ended in its first step
                 issued()
-                return self._for_each_replica(outcome)
+                # (Each replica's share already, when _merged took that step.)
+                return self._for_each_replica(outcome) if timeout is None else outcome
             # Tracked from here (the run waits for it, and cancels it with the
             # replicas); a merge_fn ended in its first step needs no table.
             self._aux_table()[task] = ()  # started: nothing to close if cancelled
         else:
             try:
                 task = self._spawn(
-                    self._merged(coro, number, timeout, deadline),
+                    self._merged(coro, number, timeout),
                     context,
                     untracks=True,
                     unstarted=unstarted,
@@ -951,19 +954,17 @@ class RunGroup:
             task.add_done_callback(issued)
         return task
 
-    async def _merged(
-        self, coro: Any, number: int, timeout: float | None, deadline: float | None
-    ) -> list:
-        """An async merge_fn's task (or what follows its first step, see _merge): its
-        result for each replica. Every replica has arrived, so the rendezvous' own
-        timeout no longer runs: ``timeout`` (timeout_seconds) bounds the merge_fn
-        itself, until ``deadline`` (loop time) set when it started."""
+    async def _merged(self, coro: Any, number: int, timeout: float | None) -> list:
+        """An async merge_fn's task (or, without a timeout, what follows its first
+        step: see _merge): its result for each replica. Every replica has arrived, so
+        the rendezvous' own timeout no longer runs: ``timeout`` (timeout_seconds)
+        bounds the merge_fn itself."""
         scope = None
         try:
-            if deadline is None:
+            if timeout is None:
                 result = await coro
             else:  # expired() tells its own cancellation from any other
-                async with asyncio.timeout_at(deadline) as scope:
+                async with asyncio.timeout(timeout) as scope:
                     result = await coro
         except TimeoutError:
             if scope is not None and scope.expired():

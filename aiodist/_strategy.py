@@ -488,7 +488,7 @@ class Strategy:
         host reduction."""
         return (
             1 < len(parts) == len(self._slots)
-            and self._extended._cross_device_ops._host_scalars_by_arithmetic
+            and self._extended._cross_device_ops._scalars_by_arithmetic
             and _nest.all_of_type(parts, type(parts[0]))
         )
 

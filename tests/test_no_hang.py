@@ -368,6 +368,51 @@ async def test_a_merge_fns_timeout_counts_from_its_start_not_its_first_suspensio
     assert sorted(errors) == [0, 1]
 
 
+async def test_a_merge_fns_timeout_starts_with_its_task_under_a_task_factory():
+    # A factory's task starts a loop turn after the last arrival: what keeps the loop
+    # busy before then is not merge_fn's time.
+    strategy = aiodist.MirroredStrategy(
+        cpu_devices(2), communication_options=aiodist.CommunicationOptions(timeout_seconds=0.05)
+    )
+    loop = asyncio.get_running_loop()
+
+    async def merge_fn(s):
+        await asyncio.sleep(0.03)
+        return "finished"
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        if ctx.replica_id_in_sync_group == 1:  # the last to arrive
+            loop.call_soon(time.sleep, 0.04)  # runs before merge_fn's task starts
+        return await ctx.merge_call(merge_fn)
+
+    with task_factory(_plain_tasks):
+        assert await strategy.run(fn) == "finished"
+
+
+async def test_a_merge_fn_cancelled_in_its_first_step_is_cancelled_not_timed_out():
+    # Cancelled before its task's first scheduled step, and still cleaning up when
+    # timeout_seconds passes: the cancellation is the failure, not the timeout.
+    strategy = aiodist.MirroredStrategy(
+        cpu_devices(2), communication_options=aiodist.CommunicationOptions(timeout_seconds=0.05)
+    )
+
+    async def merge_fn(s):
+        asyncio.current_task().cancel()
+        try:
+            await asyncio.sleep(1)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.1)  # past the 0.05 s
+            raise
+
+    async def fn():
+        return await aiodist.get_replica_context().merge_call(merge_fn)
+
+    with pytest.raises(aiodist.RendezvousError, match=r"merge_call #0 was cancelled") as raised:
+        await strategy.run(fn)
+    assert not isinstance(raised.value, aiodist.RendezvousTimeoutError)
+
+
 async def test_a_cancellation_inside_an_async_merge_fn_is_not_reported_as_its_timeout():
     strategy = aiodist.MirroredStrategy(
         cpu_devices(2), communication_options=aiodist.CommunicationOptions(timeout_seconds=30)
