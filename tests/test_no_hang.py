@@ -330,39 +330,44 @@ async def test_replica_cancelling_itself_fails_the_run_and_cancels_the_others(th
     assert asyncio.current_task().cancelling() == 0
 
 
-async def test_timeout_bounds_a_slow_async_merge_fn():
-    strategy = aiodist.MirroredStrategy(
-        cpu_devices(2), communication_options=aiodist.CommunicationOptions(timeout_seconds=0.05)
+def _timing_out(seconds: float) -> aiodist.MirroredStrategy:
+    """Two replicas whose collectives (and merge_fns) time out after ``seconds``."""
+    return aiodist.MirroredStrategy(
+        cpu_devices(2), communication_options=aiodist.CommunicationOptions(timeout_seconds=seconds)
     )
 
-    async def merge_fn(s):
-        await asyncio.Event().wait()  # never finishes
+
+def _merging(merge_fn):
+    """A replica function making one merge_call of ``merge_fn``."""
 
     async def fn():
         return await aiodist.get_replica_context().merge_call(merge_fn)
 
-    errors, raised = await run_collecting(strategy, fn)
+    return fn
+
+
+async def test_timeout_bounds_a_slow_async_merge_fn():
+    strategy = _timing_out(0.05)
+
+    async def merge_fn(s):
+        await asyncio.Event().wait()  # never finishes
+
+    errors, raised = await run_collecting(strategy, _merging(merge_fn))
     assert isinstance(raised, aiodist.RendezvousTimeoutError)
     assert "merge_call #0: merge_fn did not finish within 0.05 s" in str(raised)
     assert sorted(errors) == [0, 1]
 
 
 async def test_a_merge_fns_timeout_counts_from_its_start_not_its_first_suspension():
-    # merge_fn's first step runs before its task's timeout scope is entered (see
-    # RunGroup._merge); the deadline is still set when merge_fn starts.
-    strategy = aiodist.MirroredStrategy(
-        cpu_devices(2), communication_options=aiodist.CommunicationOptions(timeout_seconds=0.05)
-    )
+    # A first step that blocks, then a suspension shorter than timeout_seconds.
+    strategy = _timing_out(0.05)
 
     async def merge_fn(s):
         time.sleep(0.04)  # a first step that blocks the loop most of the 0.05 s
         await asyncio.sleep(0.03)  # within 0.05 s of the suspension, not of the start
         return "finished"
 
-    async def fn():
-        return await aiodist.get_replica_context().merge_call(merge_fn)
-
-    errors, raised = await run_collecting(strategy, fn)
+    errors, raised = await run_collecting(strategy, _merging(merge_fn))
     assert isinstance(raised, aiodist.RendezvousTimeoutError)
     assert "merge_fn did not finish within 0.05 s" in str(raised)
     assert sorted(errors) == [0, 1]
@@ -371,9 +376,7 @@ async def test_a_merge_fns_timeout_counts_from_its_start_not_its_first_suspensio
 async def test_a_merge_fns_timeout_starts_with_its_task_under_a_task_factory():
     # A factory's task starts a loop turn after the last arrival: what keeps the loop
     # busy before then is not merge_fn's time.
-    strategy = aiodist.MirroredStrategy(
-        cpu_devices(2), communication_options=aiodist.CommunicationOptions(timeout_seconds=0.05)
-    )
+    strategy = _timing_out(0.05)
     loop = asyncio.get_running_loop()
 
     async def merge_fn(s):
@@ -393,9 +396,7 @@ async def test_a_merge_fns_timeout_starts_with_its_task_under_a_task_factory():
 async def test_a_merge_fn_cancelled_in_its_first_step_is_cancelled_not_timed_out():
     # Cancelled before its task's first scheduled step, and still cleaning up when
     # timeout_seconds passes: the cancellation is the failure, not the timeout.
-    strategy = aiodist.MirroredStrategy(
-        cpu_devices(2), communication_options=aiodist.CommunicationOptions(timeout_seconds=0.05)
-    )
+    strategy = _timing_out(0.05)
 
     async def merge_fn(s):
         asyncio.current_task().cancel()
@@ -405,27 +406,19 @@ async def test_a_merge_fn_cancelled_in_its_first_step_is_cancelled_not_timed_out
             await asyncio.sleep(0.1)  # past the 0.05 s
             raise
 
-    async def fn():
-        return await aiodist.get_replica_context().merge_call(merge_fn)
-
     with pytest.raises(aiodist.RendezvousError, match=r"merge_call #0 was cancelled") as raised:
-        await strategy.run(fn)
+        await strategy.run(_merging(merge_fn))
     assert not isinstance(raised.value, aiodist.RendezvousTimeoutError)
 
 
 async def test_a_cancellation_inside_an_async_merge_fn_is_not_reported_as_its_timeout():
-    strategy = aiodist.MirroredStrategy(
-        cpu_devices(2), communication_options=aiodist.CommunicationOptions(timeout_seconds=30)
-    )
+    strategy = _timing_out(30)
     waited = asyncio.get_running_loop().create_future()
 
     async def merge_fn(s):
         await waited  # cancelled below, long before the 30 s
 
-    async def fn():
-        return await aiodist.get_replica_context().merge_call(merge_fn)
-
-    running = asyncio.ensure_future(strategy.run(fn))
+    running = asyncio.ensure_future(strategy.run(_merging(merge_fn)))
     await asyncio.sleep(0.01)
     waited.cancel()
     with pytest.raises(aiodist.RendezvousError, match=r"merge_call #0 was cancelled") as raised:
@@ -434,19 +427,14 @@ async def test_a_cancellation_inside_an_async_merge_fn_is_not_reported_as_its_ti
 
 
 async def test_a_timeout_raised_inside_an_async_merge_fn_is_its_own():
-    strategy = aiodist.MirroredStrategy(
-        cpu_devices(2), communication_options=aiodist.CommunicationOptions(timeout_seconds=30)
-    )
+    strategy = _timing_out(30)
 
     async def merge_fn(s):
         async with asyncio.timeout(0.01):
             await asyncio.Event().wait()
 
-    async def fn():
-        return await aiodist.get_replica_context().merge_call(merge_fn)
-
     with pytest.raises(TimeoutError) as raised:
-        await strategy.run(fn)
+        await strategy.run(_merging(merge_fn))
     assert not isinstance(raised.value, aiodist.RendezvousTimeoutError)
 
 
