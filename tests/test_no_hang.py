@@ -346,30 +346,22 @@ def _merging(merge_fn):
     return fn
 
 
-async def test_timeout_bounds_a_slow_async_merge_fn():
-    strategy = _timing_out(0.05)
+async def _never_finishing(s):
+    await asyncio.Event().wait()
 
-    async def merge_fn(s):
-        await asyncio.Event().wait()  # never finishes
 
-    errors, raised = await run_collecting(strategy, _merging(merge_fn))
+async def _blocking_then_suspending(s):
+    # Its timeout counts from its start, not from its first suspension.
+    time.sleep(0.04)  # a first step that blocks the loop most of the 0.05 s
+    await asyncio.sleep(0.03)  # within 0.05 s of the suspension, not of the start
+    return "finished"
+
+
+@pytest.mark.parametrize("merge_fn", [_never_finishing, _blocking_then_suspending])
+async def test_timeout_bounds_a_slow_async_merge_fn(merge_fn):
+    errors, raised = await run_collecting(_timing_out(0.05), _merging(merge_fn))
     assert isinstance(raised, aiodist.RendezvousTimeoutError)
     assert "merge_call #0: merge_fn did not finish within 0.05 s" in str(raised)
-    assert sorted(errors) == [0, 1]
-
-
-async def test_a_merge_fns_timeout_counts_from_its_start_not_its_first_suspension():
-    # A first step that blocks, then a suspension shorter than timeout_seconds.
-    strategy = _timing_out(0.05)
-
-    async def merge_fn(s):
-        time.sleep(0.04)  # a first step that blocks the loop most of the 0.05 s
-        await asyncio.sleep(0.03)  # within 0.05 s of the suspension, not of the start
-        return "finished"
-
-    errors, raised = await run_collecting(strategy, _merging(merge_fn))
-    assert isinstance(raised, aiodist.RendezvousTimeoutError)
-    assert "merge_fn did not finish within 0.05 s" in str(raised)
     assert sorted(errors) == [0, 1]
 
 
