@@ -168,8 +168,32 @@ class ReplicaContext:
         """
         # A per-step hot path too, written like all_reduce's.
         state = _STATE.get()
-        group = state[_GROUP] if state[_REPLICA] is self else self._group("merge_call")
         last, code, name, signature = _last_merge
+        # The usual call first, in one test: a replica of a run, not traced, passing
+        # the last merge_call's function (see below) and a tuple of args, no kwargs.
+        # Straight to the rendezvous with what the general path below would pass: no
+        # test made twice, no locals kept for it (219.4k -> 218.4k instructions per
+        # (c) step, N = 4). Anything else takes the general path, from the start.
+        if (
+            state[_REPLICA] is self
+            and last() is merge_fn
+            and merge_fn is not None
+            and merge_fn.__code__ is code
+            and merge_fn.__qualname__ is name
+            and type(args) is tuple
+            and kwargs is None
+            and _trace.active is None
+        ):
+            options = self._strategy._communication_options
+            group = state[_GROUP]
+            return (group._rendezvous or group.rendezvous).arrive(
+                self._replica_id,
+                signature,
+                (merge_fn, args, _EMPTY),
+                options.timeout_seconds,
+                options.stall_warning_seconds,
+            )
+        group = state[_GROUP] if state[_REPLICA] is self else self._group("merge_call")
         # The function the last merge_call passed (every replica's, usually): its
         # signature, with no checks and no lookups (see _last_merge).
         if (

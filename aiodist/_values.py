@@ -184,8 +184,9 @@ def refuse_structure(value: object, where: str) -> None:
 _new_object = object.__new__
 
 
-def _regroup_flat(values: Sequence[object], kind: type, devices: Any) -> object:
-    """``regroup`` of ``values`` that are all ``kind`` (list or tuple) of one length
+def _regroup_flat(values: Sequence[object], kind: type | None, devices: Any) -> object:
+    """``regroup`` of ``values`` that are all ``kind`` (list or tuple; None: tuples,
+    as the caller knows, such as a merge_call's args) of one length
     with no container in them: one value per position, a ``PerReplica`` where the
     replicas' values differ. None when they are not all such (regroup then walks
     them as nested structures).
@@ -196,9 +197,15 @@ def _regroup_flat(values: Sequence[object], kind: type, devices: Any) -> object:
     before building anything.
     """
     size = len(values[0])
-    for value in values:
-        if type(value) is not kind or len(value) != size:
-            return None
+    if kind is None:  # tuples all (a merge_call's args): only their lengths to test
+        kind = tuple  # (0.6k instructions of a (c) step less than testing types too)
+        for value in values:
+            if len(value) != size:
+                return None
+    else:
+        for value in values:
+            if type(value) is not kind or len(value) != size:
+                return None
     devices = None if devices is None else tuple(devices)
     new = _new_object
     merged = []

@@ -56,6 +56,30 @@ async def test_a_wait_its_replica_cancelled_is_skipped_when_the_call_completes()
     assert (await second, await last) == (7, 8)
 
 
+async def test_a_future_of_a_loops_own_kind_is_set_by_its_own_set_result():
+    # Delivery sets plain asyncio futures through asyncio.Future.set_result; any other
+    # kind a loop makes, even one among plain ones, through its own.
+    running = asyncio.get_running_loop()
+    delivered = []
+
+    class OwnFuture(asyncio.Future):
+        def set_result(self, result):
+            delivered.append(result)
+            super().set_result(result)
+
+    class Loop:  # makes a plain future, then one of its own kind, and so on
+        made = 0
+
+        def create_future(self):
+            self.made += 1
+            return OwnFuture(loop=running) if self.made % 2 == 0 else running.create_future()
+
+    rv = Rendezvous(2, Recorder(), loop=Loop())
+    first, second = rv.arrive(0, SUM, 1), rv.arrive(1, SUM, 2)
+    assert (await first, await second) == (3, 4)
+    assert type(second) is OwnFuture and delivered == [4]
+
+
 @pytest.mark.parametrize("count", [2, 4])
 async def test_execute_returning_a_result_per_replica_too_few_or_many_fails_every_replica(count):
     # A bug on the cross-replica side must not leave a replica waiting for ever (or
