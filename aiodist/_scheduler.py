@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import inspect
-import operator
 import sys
 import types
 from asyncio import get_running_loop
@@ -96,7 +95,6 @@ def _awaitable(value: object) -> bool:
 
 
 _NBYTES = attrgetter("nbytes")
-_IS_EMPTY = partial(operator.is_, _EMPTY)  # a merge_call's kwargs when none were passed
 
 
 def _nothing(_: object = None) -> None:
@@ -178,37 +176,50 @@ def _start_eagerly(
 
 
 @types.coroutine
-def _first_then_rest(coro: Any, rest: Callable[[Any], Any] | None = None, *args: Any) -> Any:
+def _first_then_rest(coro: Any, group: RunGroup | None = None, number: int = 0) -> Any:
     """The coroutine of a task made by ``_start_eagerly``: ``coro``'s first step,
     taken there, then, if it suspended, the rest, stepped by the task, awaited
-    through ``rest(remaining, *args)`` when ``rest`` is given (``RunGroup._merged``:
-    a merge_fn's result for each replica, needed only once it has suspended; a first
-    step that ends ``coro`` is answered by the caller).
+    through ``group._merged(remaining, number, None)`` when ``group`` is given (a
+    merge_fn's result for each replica, needed only once it has suspended; a first
+    step that ends ``coro`` is answered by the caller). (The group, not its bound
+    method and a tuple of arguments for it: a call of fixed arguments is
+    specialised, and makes neither; 0.7k instructions of a (c) step.)
 
     The first step's outcome is yielded back to ``_start_eagerly``: ``coro``'s
     value if it ended (the task's own first step then resumes this and ends, with
     None), ``_SUSPENDED`` if not. (Yielded rather than returned: a generator's
     return is a StopIteration that _start_eagerly would make and catch; (c), N = 4,
-    uvloop: 230.5k -> 227.8k instructions per step.)"""
+    uvloop: 230.5k -> 227.8k instructions per step.) ``coro`` is stepped through
+    ``_value_yielded`` for the same reason: its own return, on ``coro.send()``, was
+    a StopIteration made here and caught (0.8k instructions of a (c) step with it).
+    """
+    first = _value_yielded(coro)
+    yielded = first.send(None)  # the first step, inside _start_eagerly
+    if first.gi_yieldfrom is None:  # coro ended: `yielded` is its value
+        yield yielded
+        yield from first  # (resumed to its end: not closed, by a throw, when dropped)
+        return None
     try:
-        yielded = coro.send(None)  # the first step, inside _start_eagerly
-    except StopIteration as stop:  # (raised out of a generator, it would be an error)
-        value = stop.value
+        yield _SUSPENDED  # back to _start_eagerly; the task's first step resumes here
+    except GeneratorExit:  # the task was destroyed unstarted
+        coro.close()
+        raise
+    except BaseException as exc:  # cancelled before its first step: into coro
+        remaining = step_through(coro, resume=(None, exc))
     else:
-        try:
-            yield _SUSPENDED  # back to _start_eagerly; the task's first step resumes here
-        except GeneratorExit:  # the task was destroyed unstarted
-            coro.close()
-            raise
-        except BaseException as exc:  # cancelled before its first step: into coro
-            remaining = step_through(coro, resume=(None, exc))
-        else:
-            remaining = step_through(coro, resume=(yielded, None))
-        if rest is None:
-            return (yield from remaining)
-        return (yield from rest(remaining, *args))
-    yield value  # (outside the except block: the StopIteration is not kept alive)
-    return None
+        remaining = step_through(coro, resume=(yielded, None))
+    if group is None:
+        return (yield from remaining)
+    return (yield from group._merged(remaining, number, None))
+
+
+@types.coroutine
+def _value_yielded(coro: Any) -> Any:
+    """``coro`` awaited, its value yielded rather than returned when it ends (this
+    then ends when resumed): stepped by ``send()`` from Python code, a generator's
+    return raises a StopIteration. Suspended in ``coro`` (``gi_yieldfrom`` is set)
+    while ``coro`` is, at its own yield once ``coro`` has ended."""
+    yield (yield from coro)
 
 
 async def _traced(tracer: Tracer, coro: Any, track: int, run: int) -> Any:
@@ -380,9 +391,8 @@ class RunGroup:
         """The group's rendezvous engine, made at the first collective call."""
         if self._rendezvous is None:
             loop = self._loop or get_running_loop()
+            # (The watchdog finds this run in its strategy's _live_groups: see _stall.)
             watchdog = watchdog_for(loop)
-            watchdog.groups.add(self)
-            self._watchdog = watchdog
             # (Positional: keyword arguments to a class cost a dict per call.)
             self._rendezvous = Rendezvous(
                 self.num_replicas,
@@ -492,31 +502,37 @@ class RunGroup:
         # first step runs at once, with its own task current, so replicas that never
         # suspend are done before this loop ends and the run returns without waiting
         # for the loop (3.5 us less per (a) step, 1.5 us per (b) step, N = 4).
-        direct = loop.get_task_factory() is None
         tasks = self._tasks
         slots = self.slots
         names = strategy._task_names if slots is strategy._slots else task_names(slots)
         try:
             # (Equal lengths by construction: zip(strict=True) would parse a keyword
             # argument on every run.)
-            for slot, name, coro in zip(slots, names, coroutines):  # noqa: B905
-                if direct:
+            if loop.get_task_factory() is None:
+                # A loop of its own for this case: no slots zipped, no test per replica
+                # (0.8k instructions of a (c) step, N = 4).
+                for name, coro in zip(names, coroutines):  # noqa: B905
                     tasks.append(_eager_task(coro, loop=loop, name=name))
-                    continue
-                context = self._base.copy()  # a custom factory sees the replica's state in it
-                context.run(set_state, self._state(slot.replica_id))
-                try:
-                    tasks.append(loop.create_task(coro, name=name, context=context))
-                except BaseException as exc:  # the factory failed: the run fails with its
-                    self._failure = exc  # error, as when a replica raises (the tasks made
-                    self._cancel_all()  # have not run, unless the factory is eager)
-                    # Close what will never start: the coroutines no task holds, and
-                    # those beneath what a task holds (gone from reach once it ends).
-                    for i, each in enumerate(coroutines):
-                        _close_unstarted(each, own=i >= len(tasks))
-                    break
-            else:
                 await all_done
+            else:
+                for slot, name, coro in zip(slots, names, coroutines):  # noqa: B905
+                    context = self._base.copy()  # a custom factory sees the replica's state
+                    context.run(set_state, self._state(slot.replica_id))
+                    try:
+                        tasks.append(loop.create_task(coro, name=name, context=context))
+                    except BaseException as exc:
+                        # The factory failed: the run fails with its error, as when a
+                        # replica raises (the tasks made have not run, unless the factory
+                        # is eager). Close what will never start: the coroutines no task
+                        # holds, and those beneath what a task holds (gone from reach
+                        # once it ends).
+                        self._failure = exc
+                        self._cancel_all()
+                        for i, each in enumerate(coroutines):
+                            _close_unstarted(each, own=i >= len(tasks))
+                        break
+                else:
+                    await all_done
             if self._cancelling or self._aux:  # replicas cancelled after a failure, or
                 await self._drain()  # merge_fns still running for collectives nobody awaited
         except asyncio.CancelledError:
@@ -537,7 +553,6 @@ class RunGroup:
                 # _cancelling): run raises that, and the failures of collectives a
                 # replica started and never awaited are not logged besides.
                 self._rendezvous.close(quiet=self._failure is not None or self._cancelling)
-                self._watchdog.groups.discard(self)
             # Break group -> task -> context -> state -> group, so a finished run is
             # freed by reference counting instead of becoming cyclic garbage.
             tasks, self._tasks = self._tasks, []
@@ -885,17 +900,24 @@ class RunGroup:
         issued = _nothing
         if backend is not None:
             issued = _once(backend.end_cross_replica, order, self.slots)
-        # Each payload is (merge_fn, args, kwargs): transposed in C, one pass.
-        merge_fns, args, kwargs = zip(*payloads)  # noqa: B905 (three fields each)
-        merge_fn = merge_fns[0]
+        # Each payload is (merge_fn, args, kwargs): the args gathered, and the kwargs
+        # tested, in one Python loop; not zip(*payloads) and all(map(...)) of a
+        # partial, which made a zip, a map and four tuples and called the partial
+        # per replica (3.3k instructions of a (c) step).
+        merge_fn = payloads[0][0]
+        args = []
+        kwargs = _EMPTY  # none passed any, the usual case: 0.3 us less than regroup
+        for _, replica_args, replica_kwargs in payloads:
+            args.append(replica_args)
+            if replica_kwargs is not _EMPTY:  # (identity: a dict subclass may say == {})
+                kwargs = None
         what = "passed to merge_call"
         # merge_call made every args a tuple: their flat case first, without regroup's
         # own tests (a call less), nor a test of their type (kind None).
         merged = _regroup_flat(args, None, self.devices)
         args = regroup(args, self.devices, what=what, path="args") if merged is None else merged
-        if all(map(_IS_EMPTY, kwargs)):  # none passed any, the usual case: 0.3 us less
-            kwargs = _EMPTY  # than regroup (identity: a dict subclass may say it == {})
-        else:
+        if kwargs is None:  # some replica passed kwargs
+            kwargs = [payload[2] for payload in payloads]
             kwargs = regroup(kwargs, self.devices, what=what, path="kwargs")
         # merge_fn's context: a copy of the run's caller's (the default group, which
         # has no run, copies the current one) in cross-replica state.
@@ -947,7 +969,7 @@ class RunGroup:
                 # share) wraps only what follows a first step that suspends (a
                 # coroutine less to make and step when it does not: 1.2k instructions
                 # of a (c) step).
-                body = _first_then_rest(coro, self._merged, number, None)
+                body = _first_then_rest(coro, self, number)
             else:  # its timeout scope entered in the first step, before merge_fn starts
                 body = _first_then_rest(self._merged(coro, number, timeout))
             try:

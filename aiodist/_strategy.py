@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _context, _nest, _variables
+from . import _context, _nest, _stall, _variables
 from ._arrays import as_axis, check_reducible, mean_of_sum
 from ._backends import backend_for, cpu_backend, is_cupy_array, is_cupy_type, visible_gpu_count
 from ._checks import options_or_default
@@ -283,6 +283,7 @@ class Strategy:
         self._on_host = not self._slots[0].backend.needs_activation  # (RunGroup's)
         self._extended = StrategyExtended(self, cross_device_ops)
         self._live_groups: set = set()  # runs in flight (statistics, stall reports)
+        _stall.strategies.add(self)  # (whose watchdog looks at _live_groups)
         self._counters = Counters()
         # One handle per replica, shared by every run (the run is in the context state).
         self._replica_contexts = tuple(
