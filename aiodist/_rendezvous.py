@@ -106,10 +106,10 @@ class _Call:
     """
 
     __slots__ = (
-        "arrived",
         "failure",
         "first",
         "futures",
+        "missing",
         "name",
         "next_warning",
         "number",
@@ -139,7 +139,10 @@ def _new_call(number: int, first: Signature, started: float, num_replicas: int) 
     call.name = first.name
     call.first = first  # the first arrival's signature, which the others must match
     call.started = started  # time.perf_counter() of the first arrival
-    call.arrived = 0  # how many replicas have arrived
+    # How many replicas have not arrived: counted down to 0, so no arrival compares a
+    # count with num_replicas (with arrive's first-arrival return: 206.1k -> 205.6k
+    # instructions per (c) step, 180.3k -> 179.9k per (b) step, N = 4).
+    call.missing = num_replicas
     # No list of signatures: each arrival is compared with the first one as it
     # comes, and the first mismatch fails the call (see _mismatch_message).
     call.payloads = [None] * num_replicas
@@ -257,9 +260,17 @@ class Rendezvous:
                 watch = self._watch
                 if watch is not None:
                     watch(now + stall_after)
+            if self.num_replicas > 1 and not self.exited:
+                # The first arrival at a call, of two or more replicas, none finished:
+                # nothing to compare it with and nothing to complete, so none of the
+                # tests below (see _new_call's `missing` for what it buys).
+                call.payloads[replica] = payload
+                call.futures[replica] = future
+                call.missing -= 1
+                return future
         call.payloads[replica] = payload
         call.futures[replica] = future
-        call.arrived += 1
+        call.missing -= 1
 
         first = call.first
         if call.failure is not None:
@@ -272,7 +283,7 @@ class Rendezvous:
             self._fail(call, CollectiveMismatchError(message))
         elif self.exited and (gone := self._exited_before(number, replica)) is not None:
             self._fail(call, ReplicaExitedError(self._exit_message(call, *gone)))
-        elif call.arrived == self.num_replicas:
+        elif not call.missing:
             self._complete(call)
         return future
 
