@@ -46,7 +46,6 @@ from ._backends import cpu_backend
 from ._context import _State, set_state
 from ._devices import Device
 from ._errors import ContextError, RendezvousTimeoutError, ReplicaExitedError
-from ._nest import all_are
 from ._options import CommunicationOptions
 from ._rendezvous import Rendezvous, Signature
 from ._replica_context import (
@@ -513,8 +512,15 @@ class RunGroup:
                 # (0.8k instructions of a (c) step, N = 4).
                 # (Each name by the count of tasks made, not zip(names, coroutines): no
                 # zip, iterator and pair made per run: 1.3k instructions of a (c) step.)
-                for coro in coroutines:
-                    tasks.append(_eager_task(coro, loop=loop, name=names[len(tasks)]))
+                if _NATIVE_EAGER:  # (Python 3.12.1's eager start needs its loop= given)
+                    for coro in coroutines:
+                        tasks.append(_eager_task(coro, loop=loop, name=names[len(tasks)]))
+                else:
+                    # No loop=: the task takes the running loop, this one; a keyword
+                    # argument less for Task's __init__ to parse, per replica (1.1k
+                    # instructions of a (c) step).
+                    for coro in coroutines:
+                        tasks.append(asyncio.Task(coro, name=names[len(tasks)]))
                 await all_done
             else:
                 for slot, name, coro in zip(slots, names, coroutines):  # noqa: B905
@@ -564,10 +570,12 @@ class RunGroup:
         first = results[0]
         # regroup's first case written out: every replica returned the same object
         # (a merge_call's result, a constant). A call less per run: 0.8k instructions
-        # of a (c) step.
-        if n == 1 or (first is results[-1] and all_are(results, first)):
-            return first
-        return regroup(results, self.devices)
+        # of a (c) step. (And a loop here, not _nest.all_are(): a call less again,
+        # 0.8k instructions of a (c) step.)
+        for result in results:
+            if result is not first:
+                return regroup(results, self.devices)
+        return first
 
     def _replica_raised(self, rid: int) -> None:
         """Replica ``rid``'s function raised or was cancelled (called in its task's last
