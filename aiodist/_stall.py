@@ -122,17 +122,32 @@ _EMPTY_CONTEXT = contextvars.Context()
 # its loop among their runs in flight (each strategy's _live_groups), so a run is
 # registered nowhere else. A set of runs per watchdog, added to and discarded from
 # by every run with a collective, cost 0.7k instructions of a (c) step (N = 4).
-strategies: weakref.WeakSet = weakref.WeakSet()
+_strategies: dict[int, weakref.ref] = {}  # id(strategy) -> weak reference to it
+
+
+def register(strategy: Any) -> None:
+    """Note ``strategy`` (weakly; by identity, never by its hash or ==)."""
+    key = id(strategy)
+
+    def forget(ref: weakref.ref, key: int = key) -> None:
+        # (called as the strategy dies, before its id can be reused)
+        if _strategies.get(key) is ref:
+            _strategies.pop(key, None)
+
+    _strategies[key] = weakref.ref(strategy, forget)
 
 
 def _runs_on(loop: asyncio.AbstractEventLoop) -> list[RunGroup]:
     """The runs in flight on ``loop`` that have a rendezvous."""
-    return [
-        group
-        for strategy in list(strategies)
-        for group in list(strategy._live_groups)
-        if group._loop is loop and group._rendezvous is not None
-    ]
+    runs = []
+    for ref in list(_strategies.values()):  # a snapshot taken in C: safe across threads
+        strategy = ref()
+        if strategy is None:
+            continue
+        for group in list(strategy._live_groups):
+            if group._loop is loop and group._rendezvous is not None:
+                runs.append(group)
+    return runs
 
 
 class Watchdog:
@@ -229,5 +244,4 @@ def ensure_for(loop: asyncio.AbstractEventLoop) -> Callable[[float], None]:
     loop_ref, watchdog, ensure = _last
     if loop_ref is not None and loop_ref() is loop and watchdog is not None:
         return ensure
-    watchdog_for(loop)
-    return _last[2]
+    return watchdog_for(loop).ensure

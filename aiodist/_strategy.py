@@ -283,7 +283,7 @@ class Strategy:
         self._on_host = not self._slots[0].backend.needs_activation  # (RunGroup's)
         self._extended = StrategyExtended(self, cross_device_ops)
         self._live_groups: set = set()  # runs in flight (statistics, stall reports)
-        _stall.strategies.add(self)  # (whose watchdog looks at _live_groups)
+        _stall.register(self)  # (whose watchdog looks at _live_groups)
         self._counters = Counters()
         # One handle per replica, shared by every run (the run is in the context state).
         self._replica_contexts = tuple(

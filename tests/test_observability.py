@@ -6,6 +6,8 @@ import asyncio
 import dataclasses
 import json
 import logging
+import sys
+import threading
 import time
 
 import numpy as np
@@ -106,6 +108,81 @@ async def test_no_report_when_nothing_stalls(caplog):
         await strategy.run(fn)
     await asyncio.sleep(0.1)  # past the threshold: the watchdog looks and finds nothing
     assert [r for r in caplog.records if r.name == "aiodist"] == []
+
+
+class _SameDevicesAreEqual(aiodist.MirroredStrategy):
+    """A user's subclass that compares strategies by their devices."""
+
+    def __eq__(self, other):
+        return isinstance(other, type(self)) and (
+            self.extended.worker_devices == other.extended.worker_devices
+        )
+
+    def __hash__(self):
+        return hash(self.extended.worker_devices)
+
+
+class _EqualityWithoutHash(aiodist.MirroredStrategy):
+    def __eq__(self, other):  # (which makes the class unhashable)
+        return self is other
+
+
+async def test_strategies_that_compare_equal_each_get_their_stall_reports(caplog):
+    caplog.set_level(logging.WARNING, logger="aiodist")
+    options = aiodist.CommunicationOptions(stall_warning_seconds=0.03)
+    first = _SameDevicesAreEqual(cpu_devices(2), communication_options=options)
+    second = _SameDevicesAreEqual(cpu_devices(2), communication_options=options)
+    unhashable = _EqualityWithoutHash(cpu_devices(2), communication_options=options)
+    assert first == second and first is not second
+    release = asyncio.Event()
+
+    async def fn():
+        if rid() == 1:
+            await release.wait()
+        return await aiodist.get_replica_context().all_reduce("sum", 1.0)
+
+    for strategy in (second, unhashable):  # the watchdog tells strategies apart by identity
+        caplog.clear()
+        release.clear()
+        run = asyncio.create_task(strategy.run(fn))
+        await wait_for_records(caplog, 1)
+        release.set()
+        assert (await run).values == (2.0, 2.0)
+    assert first.extended.worker_devices  # (alive throughout)
+
+
+async def test_stall_reports_go_on_while_another_thread_makes_strategies(caplog):
+    caplog.set_level(logging.WARNING, logger="aiodist")
+    options = aiodist.CommunicationOptions(stall_warning_seconds=0.02)
+    strategy = aiodist.MirroredStrategy(cpu_devices(2), communication_options=options)
+    release = asyncio.Event()
+    stop = threading.Event()
+
+    def make_strategies():
+        kept = []
+        while not stop.is_set():
+            kept.append(aiodist.MirroredStrategy(cpu_devices(2)))
+            del kept[:-20]  # some die while the watchdog looks
+
+    async def fn():
+        if rid() == 1:
+            await release.wait()
+        return await aiodist.get_replica_context().all_reduce("sum", 1.0)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # thread switches inside the watchdog's look, not between
+    maker = threading.Thread(target=make_strategies)
+    maker.start()
+    try:
+        run = asyncio.create_task(strategy.run(fn))
+        records = await wait_for_records(caplog, 5)  # 0.02, 0.04, 0.08, 0.16, 0.32 s
+    finally:
+        stop.set()
+        maker.join()
+        sys.setswitchinterval(interval)
+        release.set()
+    assert (await run).values == (2.0, 2.0)
+    assert all(r.getMessage().startswith("all_reduce #0 has waited") for r in records)
 
 
 def test_stall_option_validation():
