@@ -59,7 +59,7 @@ __all__ = ["Rendezvous", "Signature", "Tally"]
 
 _Future = asyncio.Future
 _set_result = _Future.set_result  # (see Rendezvous._complete)
-_blank = object.__new__  # (see _new_call)
+_blank = object.__new__  # (see Rendezvous.arrive)
 
 _ORDER_HINT = (
     "every replica must make the same collective calls (merge_call, all_reduce, "
@@ -102,7 +102,8 @@ class _Call:
     """One call number in flight: who arrived with what, and their futures.
 
     Per-replica lists (``None`` where a replica has not arrived) rather than dicts:
-    one of these is built for every collective call, on the hot path.
+    one of these is built for every collective call, on the hot path, by the first
+    arrival (see ``Rendezvous.arrive``).
     """
 
     __slots__ = (
@@ -129,30 +130,6 @@ class _Call:
         return [r for r, future in enumerate(self.futures) if future is not None]
 
 
-def _new_call(number: int, first: Signature, started: float, num_replicas: int) -> _Call:
-    """A new ``_Call``: made here, not by a ``_Call.__init__``, since calling a class
-    whose ``__init__`` is Python code runs it in a C-level frame of its own
-    (slot_tp_init), where a call of this function stays in the interpreter's loop
-    (218.9k -> 218.4k instructions per (c) step, N = 4)."""
-    call = _blank(_Call)
-    call.number = number
-    call.name = first.name
-    call.first = first  # the first arrival's signature, which the others must match
-    call.started = started  # time.perf_counter() of the first arrival
-    # How many replicas have not arrived: counted down to 0, so no arrival compares a
-    # count with num_replicas (with arrive's first-arrival return: 206.1k -> 205.6k
-    # instructions per (c) step, 180.3k -> 179.9k per (b) step, N = 4).
-    call.missing = num_replicas
-    # No list of signatures: each arrival is compared with the first one as it
-    # comes, and the first mismatch fails the call (see _mismatch_message).
-    call.payloads = [None] * num_replicas
-    call.futures = [None] * num_replicas
-    call.stall_after = None
-    call.timer = None
-    call.failure = None
-    return call
-
-
 Execute = Callable[[int, Signature, list], "list | asyncio.Future"]
 
 
@@ -174,10 +151,22 @@ def _closed(number: int, signature: Signature, payloads: list) -> list:
 class Rendezvous:
     """Matches the collective calls of ``num_replicas`` replicas by call number."""
 
-    # Set by close(quiet=True): the owner raises an error of its own, so calls that
-    # fail even after that (an async merge_fn cancelled with its run, whose result
-    # is delivered by a callback that may run after close) are not logged either.
-    _quiet = False
+    # Slots, not an instance dict: one engine is made per run that meets (0.3k
+    # instructions of a (c) step, N = 4).
+    __slots__ = (
+        "_closed",
+        "_execute",
+        "_failed",
+        "_loop",
+        "_next_number",
+        "_pending",
+        "_plain_futures",
+        "_quiet",
+        "_watch",
+        "exited",
+        "num_replicas",
+        "tally",
+    )
 
     def __init__(
         self,
@@ -214,6 +203,10 @@ class Rendezvous:
         # Where completed calls are counted: the owner's (a strategy's, shared by its
         # runs, so a run's counts need no adding up when it ends), or its own.
         self.tally = Tally() if tally is None else tally
+        # Set by close(quiet=True): the owner raises an error of its own, so calls that
+        # fail even after that (an async merge_fn cancelled with its run, whose result
+        # is delivered by a callback that may run after close) are not logged either.
+        self._quiet = False
 
     def __repr__(self) -> str:
         pending = ", ".join(
@@ -249,7 +242,28 @@ class Rendezvous:
         call = self._pending.get(number)
         if call is None:
             now = perf_counter()  # not loop.time(): uvloop's clock ticks in milliseconds
-            call = self._pending[number] = _new_call(number, signature, now, self.num_replicas)
+            # A new _Call, made here: not by a _Call.__init__, since calling a class
+            # whose __init__ is Python code runs it in a C-level frame of its own
+            # (slot_tp_init): 218.9k -> 218.4k instructions per (c) step, N = 4; nor
+            # by a function of its own: a Python call less, 0.4k more off a (c) step.
+            call = self._pending[number] = _blank(_Call)
+            num_replicas = self.num_replicas
+            call.number = number
+            call.name = signature.name
+            call.first = signature  # the first arrival's, which the others must match
+            call.started = now
+            # How many replicas have not arrived: counted down to 0, so no arrival
+            # compares a count with num_replicas (with the first-arrival return
+            # below: 206.1k -> 205.6k instructions per (c) step, 180.3k -> 179.9k per
+            # (b) step, N = 4).
+            call.missing = num_replicas
+            # No list of signatures: each arrival is compared with the first one as
+            # it comes, and the first mismatch fails the call (see _mismatch_message).
+            call.payloads = [None] * num_replicas
+            call.futures = [None] * num_replicas
+            call.stall_after = None
+            call.timer = None
+            call.failure = None
             if timeout is not None:
                 call.timeout = timeout
                 call.timer = loop.call_later(timeout, self._time_out, call)
@@ -260,10 +274,10 @@ class Rendezvous:
                 watch = self._watch
                 if watch is not None:
                     watch(now + stall_after)
-            if self.num_replicas > 1 and not self.exited:
+            if num_replicas > 1 and not self.exited:
                 # The first arrival at a call, of two or more replicas, none finished:
                 # nothing to compare it with and nothing to complete, so none of the
-                # tests below (see _new_call's `missing` for what it buys).
+                # tests below (see `missing` above for what it buys).
                 call.payloads[replica] = payload
                 call.futures[replica] = future
                 call.missing -= 1

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import operator
 import os
-import weakref
 from collections.abc import Callable
 from functools import partial
 from types import CodeType, FunctionType
@@ -168,16 +167,15 @@ class ReplicaContext:
         """
         # A per-step hot path too, written like all_reduce's.
         state = _STATE.get()
-        last, code, name, signature = _last_merge
+        code, name, signature = _last_merge
         # The usual call first, in one test: a replica of a run, not traced, passing
-        # the last merge_call's function (see below) and a tuple of args, no kwargs.
+        # a function of the last merge_call's (see below) and a tuple of args, no kwargs.
         # Straight to the rendezvous with what the general path below would pass: no
         # test made twice, no locals kept for it (219.4k -> 218.4k instructions per
         # (c) step, N = 4). Anything else takes the general path, from the start.
         if (
             state[_REPLICA] is self
-            and last() is merge_fn
-            and merge_fn is not None
+            and type(merge_fn) is FunctionType
             and merge_fn.__code__ is code
             and merge_fn.__qualname__ is name
             and type(args) is tuple
@@ -194,11 +192,10 @@ class ReplicaContext:
                 options.stall_warning_seconds,
             )
         group = state[_GROUP] if state[_REPLICA] is self else self._group("merge_call")
-        # The function the last merge_call passed (every replica's, usually): its
+        # A function of the last merge_call's (every replica's, usually): its
         # signature, with no checks and no lookups (see _last_merge).
         if (
-            last() is not merge_fn
-            or merge_fn is None  # (a dead reference answers None too)
+            type(merge_fn) is not FunctionType
             or merge_fn.__code__ is not code
             or merge_fn.__qualname__ is not name
         ):
@@ -449,26 +446,18 @@ def _function_text(function: Callable) -> str:
 _MERGE_SIGNATURES: dict[int, tuple[CodeType, str, Signature]] = {}
 
 
-def _dead() -> None:
-    """What ``_last_merge``'s reference gives before any merge_call."""
-
-
-# The plain function the last merge_call passed, with its code, qualified name and
-# signature as _MERGE_SIGNATURES has them (a function renamed or given new code
-# since is looked up afresh; aiodist sets _aiodist_key on its own merge functions
-# before their first call). Replicas mostly pass one function object (defined
-# outside the replica function), so all but the first find it here: identity tests
-# instead of the callable() check and the type, attribute and table lookups below:
-# 243.3k -> 235.4k instructions per (c) step (four replicas). (Closures made afresh
-# by each replica miss it, and pay a weak reference each.) Held by a weak
-# reference: a closure may hold large values, which a strategy must not keep alive;
-# a dead one answers None, as _dead does.
-_last_merge: tuple[Callable[[], object], CodeType | None, str | None, Signature | None] = (
-    _dead,
-    None,
-    None,
-    None,
-)
+# The code, qualified name and signature of the plain function the last merge_call
+# passed, as _MERGE_SIGNATURES has them: any plain function with that very code and
+# name object has that signature (one renamed or given new code since is looked up
+# afresh). Replicas mostly pass one function object, or closures of one definition,
+# so all but the first find it here: identity tests instead of the callable() check
+# and the attribute and table lookups below: 243.3k -> 235.4k instructions per (c)
+# step (four replicas). A type test, not the weak reference to the last function
+# this held (calling it cost 0.7k instructions of a (c) step more, N = 4); and so
+# nothing of a closure, which may hold large values, is kept. (aiodist's own merge
+# functions, which set _aiodist_key before their first call, are named afresh each:
+# none has a cached name object.)
+_last_merge: tuple[CodeType | None, str | None, Signature | None] = (None, None, None)
 
 
 def _merge_signature(merge_fn: Callable) -> Signature:
@@ -482,7 +471,7 @@ def _merge_signature(merge_fn: Callable) -> Signature:
             if len(_MERGE_SIGNATURES) >= _ONE_ARRAY_LIMIT:  # many definitions: afresh
                 _MERGE_SIGNATURES.clear()
             entry = _MERGE_SIGNATURES[id(code)] = (code, name, signature)
-        _last_merge = (weakref.ref(merge_fn), code, name, entry[2])
+        _last_merge = (code, name, entry[2])
         return entry[2]
 
     describe = partial(_merge_text, merge_fn)

@@ -67,8 +67,8 @@ __all__ = ["ReplicaSlot", "RunGroup", "task_names"]
 
 
 # Python 3.12+: replica tasks and async merge_fns' tasks start eagerly (see
-# RunGroup.run and RunGroup._spawn); on 3.11 an async merge_fn's task does too, by
-# _start_eagerly.
+# RunGroup.run and RunGroup._spawn); on 3.11 an async merge_fn's task does too (see
+# RunGroup._merge).
 # (Chosen once: a call with **{} costs about 0.1 us more per task on Python 3.11.)
 _NATIVE_EAGER = sys.version_info >= (3, 12)
 if not _NATIVE_EAGER:  # asyncio's own (private) table of each loop's current task
@@ -127,79 +127,33 @@ def _close_unstarted(coro: Any, own: bool = True) -> None:
         _close_unstarted(each)
 
 
-def _start_eagerly(
-    body: Any, loop: asyncio.AbstractEventLoop, context: contextvars.Context
-) -> tuple[asyncio.Task, Any]:
-    """Python 3.11's ``asyncio.Task(coro, eager_start=True)``, which only 3.12+ has,
-    for ``body``, a ``_first_then_rest`` of ``coro``: a task whose first step runs
-    now, inside this call, in ``context`` and with the task current
-    (``asyncio.current_task()``, ``asyncio.timeout()`` and ``TaskGroup`` inside
-    ``coro`` see it, never the task that called this).
-
-    Returns the task and, when that first step ended ``coro``, the value it returned
-    (the task then ends at its first step, with None, reporting nothing); when it
-    suspended, ``_SUSPENDED``, and the task drives the rest (``_first_then_rest``).
-    An exception ``coro`` raised in its first step propagates from here (the task
-    ends at its first step too, reporting nothing).
-
-    An async merge_fn that never suspends (one reducing host values) thus answers
-    the replicas before the last one's merge_call returns, as on Python 3.12+: no
-    loop turn before it runs, none for a done callback, and the last replica need
-    not suspend. (c), N = 4, uvloop: 263.5k -> 260.1k instructions per step, and
-    35.0 -> 31.8 us (min of 9 x 5,000 steps; a loop turn costs more than its count).
-
-    The task is still made, for its identity: without it (the first step run as
-    part of the calling replica's task) a merge_fn's asyncio.timeout() would
-    cancel that replica. Its scheduled first step finds the work done.
-    """
-    # Named: a task without a name has one formatted for it ("Task-<n>") as it is
-    # made, on Python 3.11 (1.4k instructions of a (c) step).
-    task = asyncio.Task(body, loop=loop, name=MERGE_TASK_NAME, context=context)
-    # The task made current in asyncio's own table, as 3.12's eager start swaps it.
-    # (The table itself, not asyncio.current_task() and _leave_task/_enter_task: one
-    # Python call and four C calls less, about 1.5k instructions.)
-    current = _current_tasks
-    outer = current.get(loop)
-    current[loop] = task
-    try:
-        # coro's value or _SUSPENDED, yielded: no StopIteration to make and catch
-        # here (see _first_then_rest).
-        # (GeneratorType.send, not body.send: no bound method made per call, 0.4k
-        # instructions of a (c) step.)
-        return task, context.run(_send, body, None)
-    finally:
-        if outer is None:
-            del current[loop]
-        else:
-            current[loop] = outer
-
-
 @types.coroutine
 def _first_then_rest(coro: Any, group: RunGroup | None = None, number: int = 0) -> Any:
-    """The coroutine of a task made by ``_start_eagerly``: ``coro``'s first step,
-    taken there, then, if it suspended, the rest, stepped by the task, awaited
+    """The coroutine of an async merge_fn's task on Python 3.11, started eagerly by
+    ``RunGroup._merge``: ``coro``'s first step, taken there, then, if it suspended,
+    the rest, stepped by the task, awaited
     through ``group._merged(remaining, number, None)`` when ``group`` is given (a
     merge_fn's result for each replica, needed only once it has suspended; a first
     step that ends ``coro`` is answered by the caller). (The group, not its bound
     method and a tuple of arguments for it: a call of fixed arguments is
     specialised, and makes neither; 0.7k instructions of a (c) step.)
 
-    The first step's outcome is yielded back to ``_start_eagerly``: ``coro``'s
-    value if it ended (the task's own first step then resumes this and ends, with
-    None), ``_SUSPENDED`` if not. (Yielded rather than returned: a generator's
-    return is a StopIteration that _start_eagerly would make and catch; (c), N = 4,
+    The first step's outcome is yielded back to ``_merge``: ``coro``'s value if it
+    ended (the task's own first step then resumes this and ends, with None),
+    ``_SUSPENDED`` if not. (Yielded rather than returned: a generator's return is a
+    StopIteration that _merge would make and catch; (c), N = 4,
     uvloop: 230.5k -> 227.8k instructions per step.) ``coro`` is stepped through
     ``_value_yielded`` for the same reason: its own return, on ``coro.send()``, was
     a StopIteration made here and caught (0.8k instructions of a (c) step with it).
     """
     first = _value_yielded(coro)
-    yielded = first.send(None)  # the first step, inside _start_eagerly
+    yielded = first.send(None)  # the first step, inside _merge
     if first.gi_yieldfrom is None:  # coro ended: `yielded` is its value
         yield yielded
         yield from first  # (resumed to its end: not closed, by a throw, when dropped)
         return None
     try:
-        yield _SUSPENDED  # back to _start_eagerly; the task's first step resumes here
+        yield _SUSPENDED  # back to _merge; the task's first step resumes here
     except GeneratorExit:  # the task was destroyed unstarted
         coro.close()
         raise
@@ -297,8 +251,14 @@ async def _replica(
             rendezvous.exited[rid] = "returned"
     group._results[rid] = result
     group._remaining -= 1
-    if not group._remaining and not group._all_done.done():
-        group._all_done.set_result(None)
+    if not group._remaining:
+        # (No done() test first: a try costs nothing until it catches; nor
+        # contextlib.suppress, a context manager per run. 0.3k instructions of a (c)
+        # step.)
+        try:  # noqa: SIM105
+            group._all_done.set_result(None)
+        except asyncio.InvalidStateError:  # the run was cancelled meanwhile
+            pass
     return result
 
 
@@ -334,21 +294,20 @@ class RunGroup:
     Attributes that most runs never change and rarely read are class-level
     defaults, and the containers only some runs need are made on first use: a run
     is built on every step, and each attribute set costs. Those every run reads
-    (``_failure``, ``_cancelling``, ``_aux``, ``_lane_tracer``) are set in
-    ``__init__``: on Python 3.11 a class attribute read through an instance is an
-    unspecialised lookup, which cost more than the set (1k instructions per run).
+    (``_failure``, ``_cancelling``, ``_aux``, ``_lane_tracer``, ``_rendezvous``) or
+    every run with a collective (``_exits``, ``_finished``) are set in ``__init__``:
+    on Python 3.11 a class attribute read through an instance is an unspecialised
+    lookup, which cost more than the set (1k instructions per run; ``_rendezvous``,
+    read by every replica as it returns and by its first collective: 1.1k of an (a)
+    step, 0.4k of a (b) or (c) step; ``_exits`` and ``_finished``: 0.3k of a (b) or
+    (c) step).
     """
 
-    # A run whose replicas never meet creates no rendezvous.
-    _rendezvous: Rendezvous | None = None
-    _finished = False
     _base: contextvars.Context | None = None
     _run_id = 0  # this run's number in the trace being recorded, if any
     _remaining = 0  # replicas still running
     _all_done: asyncio.Future | None = None  # set when none is
     _loop: asyncio.AbstractEventLoop | None = None  # the run's loop, once it runs
-    # Made on first use: replica exits before the rendezvous existed; merge_fn tasks.
-    _exits: tuple | list = ()
     _lane = 0  # this run's lane of tracks in the trace being recorded (see _trace)
     # While tracing: call number -> [trace, time it completed, waits still to end].
     _completions: dict[int, list] | None = None
@@ -373,6 +332,11 @@ class RunGroup:
             self.numpy_replicas = all(slot.backend is cpu_backend for slot in slots)
             self._on_host = not slots[0].backend.needs_activation
         self._tasks: list[asyncio.Task] = []
+        # Made at the first collective: a run whose replicas never meet has none.
+        self._rendezvous: Rendezvous | None = None
+        # Made on first use: replica exits before the rendezvous existed.
+        self._exits: tuple | list = ()
+        self._finished = False
         self._failure: BaseException | None = None
         self._cancelling = False  # set once this run cancels its replicas
         # Made on first use: task -> coroutines to close if it never starts.
@@ -401,6 +365,10 @@ class RunGroup:
                 self._closes_rendezvous,  # keeps_failures
                 self.strategy._counters,  # tally
             )
+            # The usual run: no replica has finished yet, and the run has not. (One
+            # test, no loop over the empty _exits: 0.3k instructions of a (b) or (c) step.)
+            if self._remaining == self.num_replicas and not self._exits and not self._finished:
+                return self._rendezvous
             # Replicas that returned before any collective (the failed ones are in
             # _exits): their tasks are done, since a replica's task ends in the step
             # that reports its return, and this runs in a later one.
@@ -492,8 +460,48 @@ class RunGroup:
         # Each replica's result, stored by its task as it returns (saves a Task.result()
         # call per replica).
         self._results = [None] * n
-        coroutines = self._coroutines(fn, args, kwargs)
+        slots = self.slots
         strategy = self.strategy
+        code = getattr(fn, "__code__", None)
+        is_async = code is not None and code.co_flags & CO_COROUTINE
+        if (
+            is_async
+            and (not args or not _may_hold_distributed(args))
+            and (not kwargs or not _may_hold_distributed(kwargs.values()))
+            and _trace.active is None
+            and self.numpy_replicas
+            and slots is strategy._slots
+        ):
+            # The usual run (an async def on host replicas, arguments for all, not
+            # traced): its coroutines made here, not by _coroutines (a call less per
+            # run: 0.9k instructions of a (c) step, 0.8k of a (b) one). One frame per
+            # replica, no slot fields read (a NamedTuple field costs an unspecialised
+            # attribute lookup on Python 3.11). fn(*args) when there are no keyword
+            # arguments: fn(*args, **kwargs) builds a dict on every call, even from an
+            # empty one (0.2k instructions per replica).
+            make = partial(fn, **kwargs) if kwargs else fn
+            contexts = strategy._replica_contexts
+            coroutines = []
+            # (Counted by hand, not enumerate(): no enumerate object and iterator made
+            # per run. And coroutines.append called as a method, not a bound one kept:
+            # a specialised call, and no method object. 0.6k instructions of a (c)
+            # step together.)
+            rid = 0
+            try:
+                while rid < n:
+                    state = (strategy, contexts[rid], True, self)
+                    # make() without arguments (the usual run) is a specialised call;
+                    # make(*args) is not, even with none (0.4k instructions of a (c)
+                    # step).
+                    coro = make(*args) if args else make()
+                    coroutines.append(_replica(self, rid, state, coro))
+                    rid += 1
+            except BaseException:  # fn's arguments refused: nothing will await these
+                for coro in coroutines:
+                    _close_unstarted(coro)
+                raise
+        else:
+            coroutines = self._coroutines(fn, args, kwargs, is_async)
         strategy._live_groups.add(self)
         # Without a custom task factory, building the Task directly is what
         # loop.create_task does, minus uvloop's separate set_name() call per task
@@ -502,7 +510,6 @@ class RunGroup:
         # suspend are done before this loop ends and the run returns without waiting
         # for the loop (3.5 us less per (a) step, 1.5 us per (b) step, N = 4).
         tasks = self._tasks
-        slots = self.slots
         names = strategy._task_names if slots is strategy._slots else task_names(slots)
         try:
             # (Equal lengths by construction: zip(strict=True) would parse a keyword
@@ -559,11 +566,18 @@ class RunGroup:
             if self._rendezvous is not None:
                 # Quiet when the run failed or was cancelled (_cancel_all sets
                 # _cancelling): run raises that, and the failures of collectives a
-                # replica started and never awaited are not logged besides.
-                self._rendezvous.close(quiet=self._failure is not None or self._cancelling)
+                # replica started and never awaited are not logged besides. (The usual
+                # run's call without a keyword argument: a specialised call, 0.2k
+                # instructions of a (c) step.)
+                if self._failure is None and not self._cancelling:
+                    self._rendezvous.close()
+                else:
+                    self._rendezvous.close(quiet=True)
             # Break group -> task -> context -> state -> group, so a finished run is
-            # freed by reference counting instead of becoming cyclic garbage.
-            tasks, self._tasks = self._tasks, []
+            # freed by reference counting instead of becoming cyclic garbage. (The
+            # empty tuple, not a new list: 0.3k instructions of an (a), (b) or (c)
+            # step.)
+            self._tasks = ()
         if self._failure is not None:
             raise self._failure
         results = self._results
@@ -591,8 +605,10 @@ class RunGroup:
         and no group: see ``_cross_replica_context``)."""
         return (self.strategy, self.strategy._replica_contexts[rid], True, self)
 
-    def _coroutines(self, fn: Callable, args: Sequence, kwargs: dict) -> list:
-        """One coroutine per replica (what its task runs), made before any task starts.
+    def _coroutines(self, fn: Callable, args: Sequence, kwargs: dict, is_async: Any) -> list:
+        """One coroutine per replica (what its task runs), made before any task starts
+        (the usual run's are made by ``run`` itself). ``is_async``: ``fn`` is an
+        ``async def`` function (as ``run`` found).
 
         An ``async def`` function's own coroutine is awaited by ``_replica``; a plain
         function is called inside the task by ``_replica`` (or ``_call``, when
@@ -604,43 +620,12 @@ class RunGroup:
         plain_args = (not args or not _may_hold_distributed(args)) and (
             not kwargs or not _may_hold_distributed(kwargs.values())
         )
-        code = getattr(fn, "__code__", None)
-        is_async = code is not None and code.co_flags & CO_COROUTINE
         tracer = _trace.active
         if tracer is not None:
             self._run_id = tracer.next_run()
             self._lane, self._lane_tracer = tracer.take_lane(), tracer  # freed by run()
         coroutines: list = []
-        strategy = self.strategy
         try:
-            if (
-                tracer is None
-                and is_async
-                and plain_args
-                and self.numpy_replicas
-                and self.slots is strategy._slots
-            ):
-                # The usual run (an async def on host replicas, arguments for all): one
-                # frame per replica, no slot fields read (a NamedTuple field costs an
-                # unspecialised attribute lookup on Python 3.11).
-                # fn(*args) when there are no keyword arguments (the usual run):
-                # fn(*args, **kwargs) builds a dict on every call, even from an empty
-                # one (0.2k instructions per replica).
-                make = partial(fn, **kwargs) if kwargs else fn
-                contexts = strategy._replica_contexts
-                # (Counted by hand, not enumerate(): no enumerate object and iterator
-                # made per run. And coroutines.append called as a method, not a bound
-                # one kept: a specialised call, and no method object. 0.6k instructions
-                # of a (c) step together.)
-                rid = 0
-                while rid < n:
-                    state = (strategy, contexts[rid], True, self)
-                    # make() without arguments (the usual run) is a specialised call;
-                    # make(*args) is not, even with none (0.4k instructions of a (c) step).
-                    coro = make(*args) if args else make()
-                    coroutines.append(_replica(self, rid, state, coro))
-                    rid += 1
-                return coroutines
             for slot in self.slots:
                 rid = slot.replica_id
                 state = self._state(rid)
@@ -872,7 +857,7 @@ class RunGroup:
         ``name``: the task's (an async merge_fn's is ``MERGE_TASK_NAME``).
 
         ``eager`` (Python 3.12+, without a custom task factory; on 3.11 ``_merge``
-        starts its task with ``_start_eagerly`` instead): the task's first step
+        starts its task eagerly itself instead): the task's first step
         runs now, inside this call, with the task current, as asyncio's eager tasks
         do. A merge_fn that never suspends (one reducing host values) is then done
         before its merge_call returns, and the rendezvous delivers its result at once:
@@ -972,9 +957,9 @@ class RunGroup:
         # the replica that arrived last: asyncio.timeout(), TaskGroup and
         # current_task() inside it must not reach that replica. Without a custom task
         # factory its first step runs eagerly, during that replica's step but with its
-        # own task current (_spawn on Python 3.12+, _start_eagerly on 3.11). The task
-        # is what the rendezvous waits for: its result is the list of per-replica
-        # results (or that list at once, when merge_fn ended in its first step).
+        # own task current (_spawn on Python 3.12+, below on 3.11). The task is what
+        # the rendezvous waits for: its result is the list of per-replica results (or
+        # that list at once, when merge_fn ended in its first step).
         if backend is not None:  # each of its steps on the cross streams
             coro = drive(
                 coro, partial(backend.enter_cross_replica, order), backend.leave_cross_replica
@@ -993,11 +978,45 @@ class RunGroup:
                 body = _first_then_rest(coro, self, number)
             else:  # its timeout scope entered in the first step, before merge_fn starts
                 body = _first_then_rest(self._merged(coro, number, timeout))
+            # Python 3.11's asyncio.Task(body, eager_start=True), which only 3.12+
+            # has: the task's first step runs now, here, in `context` and with the
+            # task current (asyncio.current_task(), asyncio.timeout() and TaskGroup
+            # inside merge_fn see it, never the replica's task). A merge_fn that never
+            # suspends (one reducing host values) thus answers the replicas before the
+            # last one's merge_call returns, as on Python 3.12+: no loop turn before
+            # it runs, none for a done callback, and the last replica need not
+            # suspend ((c), N = 4, uvloop: 263.5k -> 260.1k instructions per step,
+            # and 35.0 -> 31.8 us; a loop turn costs more than its count). The task is
+            # still made, for its identity (without it a merge_fn's asyncio.timeout()
+            # would cancel that replica); its scheduled first step finds the work done
+            # (see _first_then_rest). (Here, not in a function of its own returning
+            # the task and the outcome: 0.6k instructions of a (c) step.)
+            # Named: a task without a name has one formatted for it ("Task-<n>") as it
+            # is made (1.4k instructions of a (c) step). No loop=: `loop` is the
+            # running one, which the task takes (a keyword argument less to parse:
+            # 0.3k).
+            task = asyncio.Task(body, name=MERGE_TASK_NAME, context=context)
+            # The task made current in asyncio's own table, as 3.12's eager start
+            # swaps it. (The table itself, not asyncio.current_task() and
+            # _leave_task/_enter_task: one Python call and four C calls less, about
+            # 1.5k instructions.)
+            current = _current_tasks
+            outer = current.get(loop)
+            current[loop] = task
             try:
-                task, outcome = _start_eagerly(body, loop, context)
-            except BaseException:  # merge_fn raised in its first step
-                issued()
+                # merge_fn's value or _SUSPENDED, yielded: no StopIteration to make and
+                # catch here (see _first_then_rest). (GeneratorType.send, not
+                # body.send: no bound method made per call, 0.4k instructions of a (c)
+                # step.)
+                outcome = _run_in(context, _send, body, None)
+            except BaseException:  # merge_fn raised in its first step (the task then
+                issued()  # ends at its first step too, reporting nothing)
                 raise
+            finally:
+                if outer is None:
+                    del current[loop]
+                else:
+                    current[loop] = outer
             if outcome is not _SUSPENDED:  # merge_fn ended in its first step
                 if backend is not None:  # (on the host, no call of _nothing: 0.3k)
                     issued()

@@ -63,7 +63,7 @@ _HOST_KINDS = frozenset({np.ndarray, *np.sctypeDict.values()})  # NumPy arrays a
 # NumPy's module has a __getattr__, so Python 3.11 looks np.asarray up unspecialised
 # on every use; a global of its own is a specialised load (0.3k of a (c) step).
 _asarray = np.asarray
-_SCALAR_REDUCTIONS: dict[tuple, Callable[[Sequence], Any]] = {}
+_SCALAR_REDUCTIONS: dict[tuple, Callable[[Sequence, Any], Any]] = {}
 
 
 class ValueContext:
@@ -478,7 +478,7 @@ class Strategy:
                     if type(part) is not kind:
                         break
                 else:  # combine_scalars, less its one-value case (there are several).
-                    return _asarray(total(parts))
+                    return _asarray(total(parts[1:], parts[0]))
         op = ReduceOp.of(reduce_op)
         if axis is None and type(value) is PerReplica:
             total = self._reduce_scalars(op, value._values, reduce_op)
@@ -526,7 +526,7 @@ class Strategy:
         if len(_SCALAR_REDUCTIONS) >= _ONE_ARRAY_LIMIT:
             _SCALAR_REDUCTIONS.clear()
         _SCALAR_REDUCTIONS[reduce_op, kind] = total
-        return np.asarray(total(parts))  # combine_scalars, less its one-value case
+        return np.asarray(total(parts[1:], parts[0]))  # combine_scalars, less its one-value case
 
     async def gather(self, value: Any, axis: int) -> Any:
         """Concatenate the components of ``value`` (one value, as for ``reduce``)

@@ -36,7 +36,7 @@ def step_through(
     current, see above).
 
     ``resume``: ``coro`` has already taken its first step elsewhere (an eagerly
-    started task's, see ``_scheduler._start_eagerly``), which yielded ``resume[0]``;
+    started task's, see ``RunGroup._merge``), which yielded ``resume[0]``;
     that value is yielded first, unless ``resume[1]`` is an exception to throw into
     ``coro`` at once."""
     send: Any = None

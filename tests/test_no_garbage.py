@@ -69,7 +69,7 @@ def test_per_step_functions_make_no_closure_cells():
         _scheduler.RunGroup._merged,
         _scheduler.RunGroup._for_each_replica,
         _scheduler._replica,
-        _scheduler._start_eagerly,
+        _scheduler._first_then_rest,
         _rendezvous.Rendezvous.arrive,
         _rendezvous.Rendezvous._complete,
         _rendezvous.Rendezvous._deliver,
