@@ -96,6 +96,9 @@ def _awaitable(value: object) -> bool:
 _NBYTES = attrgetter("nbytes")
 
 
+_NO_MERGE_FN = object()  # (no merge_call yet: a RunGroup's _merge_fn)
+
+
 def _nothing(_: object = None) -> None:
     """A callback with nothing to do."""
 
@@ -343,6 +346,10 @@ class RunGroup:
         self._aux: tuple | dict = ()
         # The trace that lent this run its lane, while the run holds it.
         self._lane_tracer: Tracer | None = None
+        # The function this run's last merge_call passed, and that call's signature
+        # (see ReplicaContext.merge_call): kept by the run, so by nothing once it ends.
+        self._merge_fn: Any = _NO_MERGE_FN
+        self._merge_signature: Any = None
 
     def __repr__(self) -> str:
         return f"<RunGroup replicas={self.num_replicas} {self._rendezvous!r}>"

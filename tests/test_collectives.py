@@ -536,7 +536,8 @@ async def test_merge_call_identical_args_stay_single(two):
 
 async def test_a_merge_fn_is_not_kept_alive_after_its_run(two):
     # merge_call remembers the last function passed (its signature, for the next
-    # replicas): by a weak reference, so what its closure holds is freed with it.
+    # replicas): the run keeps the function itself and frees it as it ends (no
+    # garbage collection needed); past the run only its code and name are kept.
     class Big:
         pass
 
@@ -555,8 +556,29 @@ async def test_a_merge_fn_is_not_kept_alive_after_its_run(two):
 
     assert await two.run(fn, args=(merge_fn,)) is True
     del merge_fn
-    gc.collect()
     assert big() is None
+
+
+async def test_functions_a_run_passes_in_turn_are_each_matched(two):
+    def merge_a(strategy):
+        return "a"
+
+    def merge_b(strategy):
+        return "b"
+
+    async def in_turn():
+        ctx = aiodist.get_replica_context()
+        return [await ctx.merge_call(f) for f in (merge_a, merge_a, merge_b, merge_a)]
+
+    assert await two.run(in_turn) == ["a", "a", "b", "a"]
+
+    async def then_differ():  # the run has just seen merge_a from both replicas
+        ctx = aiodist.get_replica_context()
+        first = await ctx.merge_call(merge_a)
+        return first, await ctx.merge_call(merge_b if rid() else merge_a)
+
+    with pytest.raises(aiodist.CollectiveMismatchError, match=r"collective #1 does not match"):
+        await two.run(then_differ)
 
 
 async def test_the_last_merge_fn_against_another_is_still_a_mismatch(two):
