@@ -69,10 +69,13 @@ _ONE_ARRAY_LIMIT = 1024
 _NUMERIC_SCALARS = frozenset(
     np.dtype(code).type for code in np.typecodes["AllInteger"] + np.typecodes["AllFloat"] + "?"
 )
-# (reduce_op as passed, scalar type) -> (ReduceOp, signature), for all-reduces of
+# reduce_op as passed -> scalar type -> (ReduceOp, signature), for all-reduces of
 # NumPy scalars on host replicas with the strategy's options (filled in by the
-# general path, after it has checked the dtype reducible).
-_HOST_SCALARS: dict[tuple, tuple[ReduceOp, Signature]] = {}
+# general path, after it has checked the dtype reducible). Nested dicts, not one
+# keyed by (reduce_op, type): no tuple built, hashed and compared per call (172.7k
+# -> 172.0k instructions per (b) step, N = 4). An inner dict holds at most one entry
+# per type of _NUMERIC_SCALARS.
+_HOST_SCALARS: dict[Any, dict[type, tuple[ReduceOp, Signature]]] = {}
 
 
 # What a replica's arrival carries (the rendezvous' payload): a plain tuple, read by
@@ -81,7 +84,8 @@ _HOST_SCALARS: dict[tuple, tuple[ReduceOp, Signature]] = {}
 # step at four replicas.
 # - all_reduce: (template, arrays, op, options): ``template`` is the replica's nested
 #   value, for its nesting (None for a single array); ``arrays`` its leaves, placed
-#   on the replica's device; ``op`` the ReduceOp; ``options`` CommunicationOptions.
+#   on the replica's device (a list; a one-tuple for a NumPy scalar on the host,
+#   see all_reduce); ``op`` the ReduceOp; ``options`` CommunicationOptions.
 # - all_gather: (template, arrays, axis, options), the same with the gathered axis.
 # - merge_call: (merge_fn, args, kwargs).
 TEMPLATE, ARRAYS, OP, OPTIONS = range(4)
@@ -266,15 +270,17 @@ class ReplicaContext:
         group = state[_GROUP] if state[_REPLICA] is self else self._group("all_reduce")
         if options is None and group.numpy_replicas:
             # A NumPy scalar (a loss, a count) seen before with this reduce_op: its op
-            # and signature in one lookup, about 0.5 us less per call than below.
+            # and signature in two dict lookups, about 0.5 us less per call than below.
             try:
-                known = _HOST_SCALARS.get((reduce_op, type(value)))
+                by_type = _HOST_SCALARS.get(reduce_op)
             except TypeError:  # an unhashable reduce_op: refused below
-                known = None
-            if known is not None:
+                by_type = None
+            if by_type is not None and (known := by_type.get(type(value))) is not None:
                 op, signature = known
                 options = self._strategy._communication_options
-                payload = (None, [value], op, options)
+                # (Its arrays a one-tuple, not a list: one allocation less per
+                # replica, 172.0k -> 171.7k instructions per (b) step, N = 4.)
+                payload = (None, (value,), op, options)
                 if _trace.active is not None:  # what group.arrive() does
                     return group.arrive(self._replica_id, signature, payload, options)
                 rendezvous = group._rendezvous or group.rendezvous  # (made at the first)
@@ -340,9 +346,12 @@ class ReplicaContext:
             if signature is None:
                 signature = self._one_array_signature(key, array)
             if array is value and type(value) in _NUMERIC_SCALARS:  # on the host, as is
-                if len(_HOST_SCALARS) >= _ONE_ARRAY_LIMIT:
-                    _HOST_SCALARS.clear()
-                _HOST_SCALARS[reduce_op, type(value)] = (op, signature)
+                by_type = _HOST_SCALARS.get(reduce_op)
+                if by_type is None:
+                    if len(_HOST_SCALARS) >= _ONE_ARRAY_LIMIT:
+                        _HOST_SCALARS.clear()
+                    by_type = _HOST_SCALARS[reduce_op] = {}
+                by_type[type(value)] = (op, signature)
         payload = (value if nested else None, arrays, op, options)
         return group.arrive(self._replica_id, signature, payload, options)
 
