@@ -473,14 +473,16 @@ _MERGE_SIGNATURES: dict[int, tuple[CodeType, str, Signature]] = {}
 # The code, qualified name and signature of the plain function the last merge_call
 # passed, as _MERGE_SIGNATURES has them: any plain function with that very code and
 # name object has that signature (one renamed or given new code since is looked up
-# afresh). Replicas mostly pass one function object, or closures of one definition,
-# so all but the first find it here: identity tests instead of the callable() check
-# and the attribute and table lookups below: 243.3k -> 235.4k instructions per (c)
-# step (four replicas). A type test, not the weak reference to the last function
-# this held (calling it cost 0.7k instructions of a (c) step more, N = 4); and so
-# nothing of a closure, which may hold large values, is kept. (aiodist's own merge
-# functions, which set _aiodist_key before their first call, are named afresh each:
-# none has a cached name object.)
+# afresh, except by the run that last passed it: within a run the function object
+# itself is matched, so one renamed or given new code mid-run keeps the signature it
+# had there; see merge_call). Replicas mostly pass one function object, or closures
+# of one definition, so all but the first find it here: identity tests instead of
+# the callable() check and the attribute and table lookups below: 243.3k -> 235.4k
+# instructions per (c) step (four replicas). A type test, not the weak reference to
+# the last function this held (calling it cost 0.7k instructions of a (c) step more,
+# N = 4); and so nothing of a closure, which may hold large values, is kept here.
+# (aiodist's own merge functions, which set _aiodist_key before their first call,
+# are named afresh each: none has a cached name object.)
 _last_merge: tuple[CodeType | None, str | None, Signature | None] = (None, None, None)
 
 

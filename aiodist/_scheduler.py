@@ -347,7 +347,8 @@ class RunGroup:
         # The trace that lent this run its lane, while the run holds it.
         self._lane_tracer: Tracer | None = None
         # The function this run's last merge_call passed, and that call's signature
-        # (see ReplicaContext.merge_call): kept by the run, so by nothing once it ends.
+        # (see ReplicaContext.merge_call): kept by the run while it runs, by nothing
+        # once it ends (dropped then: a merge_fn's closure may reach the run).
         self._merge_fn: Any = _NO_MERGE_FN
         self._merge_signature: Any = None
 
@@ -585,6 +586,9 @@ class RunGroup:
             # empty tuple, not a new list: 0.3k instructions of an (a), (b) or (c)
             # step.)
             self._tasks = ()
+            # And run -> merge_fn -> its closure -> a task -> context -> run (the
+            # function the last merge_call passed: see ReplicaContext.merge_call).
+            self._merge_fn, self._merge_signature = _NO_MERGE_FN, None
         if self._failure is not None:
             raise self._failure
         results = self._results

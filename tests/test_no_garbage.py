@@ -6,6 +6,7 @@ every step (issue 6); reference counting must free a run as soon as it ends.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 
 import numpy as np
@@ -36,7 +37,15 @@ async def test_runs_leave_no_cyclic_garbage(strategy):
         gathered = await ctx.all_gather({"x": [np.ones((1, 2))]}, axis=0)
         return total, gathered
 
-    for fn in (constant, reduce, merge, nested):
+    async def merge_reaching_its_run():  # (the run keeps its last merge_fn while it runs)
+        me = asyncio.current_task()  # the closure reaches the task, its context, the run
+
+        def merge_fn(s, v):
+            return me is not None
+
+        return await aiodist.get_replica_context().merge_call(merge_fn, args=(one,))
+
+    for fn in (constant, reduce, merge, nested, merge_reaching_its_run):
         for _ in range(20):  # warm-up: caches, first-use objects
             await strategy.run(fn)
         gc.collect()
