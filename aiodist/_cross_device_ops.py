@@ -52,11 +52,25 @@ _NUMPY_UFUNCS = {op: getattr(np, op.ufunc) for op in ReduceOp}
 # all-reduce: 1.0k instructions of a (b) step).
 _GENERIC, _NDARRAY = np.generic, np.ndarray
 # op -> NumPy scalar type -> scalar_totaller(ufunc, type, divide by count), for the
-# all-reduce of one NumPy scalar per host replica (ReductionToOneDevice's). (A table
-# per op: no key tuple made per call, 0.4k instructions of a (b) step.)
+# all-reduce of one NumPy scalar per host replica (ReductionToOneDevice's) and
+# strategy.reduce of a PerReplica of such scalars. (A table per op: no key tuple
+# made per call, 0.4k instructions of a (b) step.)
 _SCALAR_TOTALS: dict[ReduceOp, dict[type, Callable[[Sequence, Any], Any]]] = {
     op: {} for op in ReduceOp
 }
+
+
+def scalar_totaller_for(op: ReduceOp, kind: type) -> Callable[[Sequence, Any], Any]:
+    """The host's reduction by ``op`` of NumPy scalars of type ``kind``, as a callable
+    of ``(values[1:], values[0])``: ``scalar_totaller``'s, made once per op and type
+    and kept in ``_SCALAR_TOTALS``."""
+    totals = _SCALAR_TOTALS[op]
+    total = totals.get(kind)
+    if total is None:
+        if len(totals) >= 64:  # (subclasses of NumPy's scalar types)
+            totals.clear()
+        total = totals[kind] = scalar_totaller(_NUMPY_UFUNCS[op], kind, op._row.divide_by_count)
+    return total
 
 
 def resolve_destinations(destinations: Any) -> tuple[Device, ...]:
@@ -572,15 +586,8 @@ class ReductionToOneDevice(CrossDeviceOps):
             # (the builtin sum for a float sum: no call of operator.add per value, and
             # no Python call; (b), N = 4, uvloop: 170.5k -> 168.9k instructions per
             # step).
-            totals = _SCALAR_TOTALS[op]
-            kind = type(first)
-            total = totals.get(kind)
-            if total is None:
-                if len(totals) >= 64:  # (subclasses of NumPy's scalar types)
-                    totals.clear()
-                total = totals[kind] = scalar_totaller(
-                    _NUMPY_UFUNCS[op], kind, op._row.divide_by_count
-                )
+            # (Looked up here, a call less; made by scalar_totaller_for when new.)
+            total = _SCALAR_TOTALS[op].get(type(first)) or scalar_totaller_for(op, type(first))
             total = total(arrays[1:], first)
             # count read-only 0-d views of the total. (Here, not in a function of its
             # own: a call less, 0.4k instructions of a (b) step.)

@@ -21,16 +21,15 @@ from ._arrays import as_axis, check_reducible, mean_of_sum
 from ._backends import backend_for, cpu_backend, is_cupy_array, is_cupy_type, visible_gpu_count
 from ._checks import options_or_default
 from ._cross_device_ops import (
-    _NUMPY_UFUNCS,
     CrossDeviceOps,
     NcclAllReduce,
     ReductionToOneDevice,
     check_alike,
+    scalar_totaller_for,
 )
 from ._devices import HOST as _HOST
 from ._devices import Device, parse_device
 from ._errors import ContextError, DeviceError, InvalidArgumentError
-from ._host_reduce import scalar_totaller
 from ._input import DistributedDataset, InputContext, InputOptions, from_function
 from ._ops import ReduceOp
 from ._options import CommunicationOptions
@@ -57,9 +56,9 @@ __all__ = [
 ]
 
 _HOST_KINDS = frozenset({np.ndarray, *np.sctypeDict.values()})  # NumPy arrays and scalars
-# (reduce_op as passed, NumPy scalar type) -> scalar_totaller(ufunc, type, divide by
-# count), for strategy.reduce of a PerReplica of such scalars (filled in by
-# _reduce_scalars, once it has checked the dtype reducible by that op).
+# (reduce_op as passed, NumPy scalar type) -> scalar_totaller_for(op, type), for
+# strategy.reduce of a PerReplica of such scalars (filled in by _reduce_scalars, once
+# it has checked the dtype reducible by that op).
 # NumPy's module has a __getattr__, so Python 3.11 looks np.asarray up unspecialised
 # on every use; a global of its own is a specialised load (0.3k of a (c) step).
 _asarray = np.asarray
@@ -522,7 +521,7 @@ class Strategy:
         if dtype not in reducible:  # checked once per op and dtype, as all_reduce does
             check_reducible(op, parts[0], "reduce")
             reducible.add(dtype)
-        total = scalar_totaller(_NUMPY_UFUNCS[op], kind, op._row.divide_by_count)
+        total = scalar_totaller_for(op, kind)  # (the scalar all-reduce's too)
         if len(_SCALAR_REDUCTIONS) >= _ONE_ARRAY_LIMIT:
             _SCALAR_REDUCTIONS.clear()
         _SCALAR_REDUCTIONS[reduce_op, kind] = total
