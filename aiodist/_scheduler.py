@@ -472,10 +472,14 @@ class RunGroup:
         strategy = self.strategy
         code = getattr(fn, "__code__", None)
         is_async = code is not None and code.co_flags & CO_COROUTINE
+        # Arguments holding no distributed value (the common case) go to every replica
+        # as they are.
+        plain_args = (not args or not _may_hold_distributed(args)) and (
+            not kwargs or not _may_hold_distributed(kwargs.values())
+        )
         if (
             is_async
-            and (not args or not _may_hold_distributed(args))
-            and (not kwargs or not _may_hold_distributed(kwargs.values()))
+            and plain_args
             and _trace.active is None
             and self.numpy_replicas
             and slots is strategy._slots
@@ -509,7 +513,7 @@ class RunGroup:
                     _close_unstarted(coro)
                 raise
         else:
-            coroutines = self._coroutines(fn, args, kwargs, is_async)
+            coroutines = self._coroutines(fn, args, kwargs, is_async, plain_args)
         strategy._live_groups.add(self)
         # Without a custom task factory, building the Task directly is what
         # loop.create_task does, minus uvloop's separate set_name() call per task
@@ -616,10 +620,13 @@ class RunGroup:
         and no group: see ``_cross_replica_context``)."""
         return (self.strategy, self.strategy._replica_contexts[rid], True, self)
 
-    def _coroutines(self, fn: Callable, args: Sequence, kwargs: dict, is_async: Any) -> list:
+    def _coroutines(
+        self, fn: Callable, args: Sequence, kwargs: dict, is_async: Any, plain_args: bool
+    ) -> list:
         """One coroutine per replica (what its task runs), made before any task starts
         (the usual run's are made by ``run`` itself). ``is_async``: ``fn`` is an
-        ``async def`` function (as ``run`` found).
+        ``async def`` function; ``plain_args``: no argument holds a distributed value
+        (as ``run`` found both).
 
         An ``async def`` function's own coroutine is awaited by ``_replica``; a plain
         function is called inside the task by ``_replica`` (or ``_call``, when
@@ -628,9 +635,6 @@ class RunGroup:
         as they are.
         """
         n = self.num_replicas
-        plain_args = (not args or not _may_hold_distributed(args)) and (
-            not kwargs or not _may_hold_distributed(kwargs.values())
-        )
         tracer = _trace.active
         if tracer is not None:
             self._run_id = tracer.next_run()

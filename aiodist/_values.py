@@ -197,25 +197,25 @@ def _regroup_flat(values: Sequence[object], kind: type | None, devices: Any) -> 
     before building anything.
     """
     size = len(values[0])
-    # (Lengths checked equal: zip(strict=True) would parse a keyword per call.) One
-    # element each (a merge_call's usual one argument), tuples of a few replicas:
+    # One element each (a merge_call's usual one argument), tuples of a few replicas:
     # their one column by concatenation, not zip(), which makes an iterator per
     # replica (0.3k instructions of a (c) step; quadratic in the replicas, cheaper
     # than zip's iterators only up to about a dozen).
-    one_each = size == 1 and len(values) <= 8
-    if kind is None and one_each:  # tuples all (a merge_call's args)
-        # Their lengths tested in C, not one by one: one each when the column holds
-        # one element per replica and none is empty ((c), N = 4, uvloop: 191.9k ->
-        # 191.5k instructions per step).
+    one_column = size == 1 and kind is not list and len(values) <= 8
+    if kind is not None or not one_column:  # (kind None: only their lengths to test)
+        for value in values:
+            if (kind is not None and type(value) is not kind) or len(value) != size:
+                return None
+    if one_column:
         column = sum(values, ())
+        # One each: the column holds one element per replica and none is empty. (For
+        # a merge_call's args, all tuples, the lengths tested in C so, not one by one
+        # above: (c), N = 4, uvloop: 191.9k -> 191.5k instructions per step.)
         if len(column) != len(values) or () in values:
             return None
         columns: Any = (column,)
     else:
-        for value in values:  # (kind None: only their lengths to test)
-            if (kind is not None and type(value) is not kind) or len(value) != size:
-                return None
-        columns = (sum(values, ()),) if one_each and kind is tuple else zip(*values)  # noqa: B905
+        columns = zip(*values)  # noqa: B905 (lengths checked equal: strict= parses a keyword)
     devices = None if devices is None else tuple(devices)
     new = _new_object
     # merged.append called as a method, not bound once to a local: Python 3.11
