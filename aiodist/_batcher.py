@@ -5,7 +5,8 @@ A ``Batcher`` turns many concurrent single requests into few batches:
 - ``await batcher.submit(rows)`` queues one request (a 2-D array of rows) and
   returns exactly its own output rows;
 - a batching task waits for the first request, then up to ``max_wait_seconds``
-  for more (never more than ``max_batch_size`` rows), concatenates them, splits
+  for more (never more than ``max_batch_size`` rows, and only requests whose rows
+  have the first's width and dtype), concatenates them, splits
   the batch across the replicas (``strategy.run``), and hands each caller its
   slice of the result (under ``MultiWorkerMirroredStrategy``, each worker's
   batcher batches its own requests over its own replicas);
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -41,6 +43,7 @@ from ._backends import host_array
 from ._checks import seconds, whole_number
 from ._errors import AiodistError, InvalidArgumentError
 from ._input import split_batch
+from ._strategy import Strategy
 from ._values import regroup
 
 __all__ = ["Batcher", "BatcherStats", "NotServing", "Overloaded"]
@@ -92,9 +95,10 @@ class BatcherStats:
         ordered = sorted(latencies)
 
         def percentile(p: float) -> float:
+            # Nearest rank: the smallest latency with at least p% of them at or below.
             if not ordered:
                 return 0.0
-            return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
+            return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
 
         self.latency_seconds = {"p50": percentile(50), "p90": percentile(90), "p99": percentile(99)}
 
@@ -144,6 +148,16 @@ class Batcher:
             ("max_batches_in_flight", max_batches_in_flight),
         ):
             whole_number(value, name, 1)
+        if not isinstance(strategy, Strategy):
+            raise InvalidArgumentError(
+                f"Batcher: strategy={strategy!r}; expected an aiodist strategy "
+                "(e.g. aiodist.MirroredStrategy)."
+            )
+        if not callable(step_fn):
+            raise InvalidArgumentError(
+                f"Batcher: step_fn={step_fn!r} is not callable; expected "
+                "`async def step_fn(rows)` returning one output row per input row."
+            )
         self.strategy = strategy
         self.step_fn = step_fn
         self.max_batch_size = max_batch_size
@@ -157,6 +171,7 @@ class Batcher:
         self._loop_task: asyncio.Task | None = None
         self._starting: asyncio.Future | None = None  # set while start() warms up
         self._stop_requested = False
+        self._stopping: asyncio.Future | None = None  # set while stop() drains
         self._running: set[asyncio.Task] = set()
         self._slots: asyncio.Semaphore | None = None
         self._requests = self._batches = self._rows = self._rejected = self._failed = 0
@@ -166,7 +181,10 @@ class Batcher:
 
     async def start(self, warmup_rows: np.ndarray | None = None) -> None:
         """Warm up (one run of ``warmup_rows``, if given) and start batching. A call
-        made while another is warming up waits for it."""
+        made while another is warming up waits for it; one made while ``stop()`` is
+        draining waits for the stop to end, then starts."""
+        while self._stopping is not None:  # (another start may have waited too)
+            await asyncio.shield(self._stopping)
         if self._loop_task is not None:
             return
         if self._starting is not None:  # another start() is warming up: wait for it
@@ -200,33 +218,46 @@ class Batcher:
     async def stop(self, deadline: float = 10.0) -> None:
         """Stop admitting; finish queued and running batches within ``deadline`` seconds,
         then cancel what is left (those callers get ``NotServing``). Stopping during
-        ``start``'s warm-up keeps the batcher from starting."""
+        ``start``'s warm-up keeps the batcher from starting; a ``start`` made while
+        this drains waits for it to end."""
+        deadline = seconds(deadline, "stop: deadline", zero=True)
         self._accepting = False
         self._stop_requested = True
         task = self._loop_task
         if task is None:
+            if self._stopping is not None:  # another stop() is draining: wait for it
+                await asyncio.shield(self._stopping)
             return
+        self._stopping = stopping = asyncio.get_running_loop().create_future()
         assert self._wakeup is not None
         self._wakeup.set()
         end = time.perf_counter() + deadline
         try:
-            # The batching loop drains the queue (starting batches as it goes), then the
-            # batches it started finish; both within the deadline.
-            await asyncio.wait({task}, timeout=deadline)
-            if self._running:
-                await asyncio.wait(set(self._running), timeout=max(0.0, end - time.perf_counter()))
-        finally:  # also when stop() itself is cancelled: nothing is left serving
-            for leftover in (task, *self._running):
-                if not leftover.done():
-                    leftover.cancel()
-            self._loop_task = None
-            _fail(
-                self._queue,
-                NotServing("the batcher stopped before this request ran; retry elsewhere."),
-            )
-            self._queue.clear()
-            self._queued_rows = 0
-        await asyncio.gather(task, *self._running, return_exceptions=True)
+            try:
+                # The batching loop drains the queue (starting batches as it goes),
+                # then the batches it started finish; both within the deadline.
+                await asyncio.wait({task}, timeout=deadline)
+                if self._running:
+                    await asyncio.wait(
+                        set(self._running), timeout=max(0.0, end - time.perf_counter())
+                    )
+            finally:  # also when stop() itself is cancelled: nothing is left serving
+                for leftover in (task, *self._running):
+                    if not leftover.done():
+                        leftover.cancel()
+                self._loop_task = None
+                for request in self._queue:  # answered here: their callers must not
+                    request.taken = True  # uncount their rows again when cancelled
+                _fail(
+                    self._queue,
+                    NotServing("the batcher stopped before this request ran; retry elsewhere."),
+                )
+                self._queue.clear()
+                self._queued_rows = 0
+            await asyncio.gather(task, *self._running, return_exceptions=True)
+        finally:
+            self._stopping = None
+            stopping.set_result(None)
 
     @contextlib.asynccontextmanager
     async def lifespan(
@@ -299,7 +330,11 @@ class Batcher:
     # -- batching ------------------------------------------------------------------------
 
     def _take_batch(self) -> list[_Request]:
-        taken, rows = [], 0
+        """The requests of the next batch, in arrival order: up to ``max_batch_size``
+        rows, all of the first request's kind (row width and dtype). A request of
+        another kind ends the batch and starts the next one: one caller's odd rows
+        can neither fail the others' batch nor change their outputs' dtype."""
+        taken, rows, kind = [], 0, None
         while self._queue:
             request = self._queue[0]
             if request.future.done():  # cancelled while queued: drop it
@@ -308,8 +343,12 @@ class Batcher:
                     request.taken = True
                     self._queued_rows -= len(request.rows)
                 continue
-            if taken and rows + len(request.rows) > self.max_batch_size:
+            if taken and (
+                rows + len(request.rows) > self.max_batch_size
+                or (request.rows.shape[1:], request.rows.dtype) != kind
+            ):
                 break
+            kind = (request.rows.shape[1:], request.rows.dtype)
             self._queue.popleft()
             request.taken = True
             self._queued_rows -= len(request.rows)
@@ -347,15 +386,16 @@ class Batcher:
                 continue
             task = loop.create_task(self._serve(batch))
             self._running.add(task)
-            task.add_done_callback(partial(self._served, batch))
+            task.add_done_callback(partial(self._served, batch, self._slots))
 
-    def _served(self, batch: list[_Request], task: asyncio.Task) -> None:
+    def _served(self, batch: list[_Request], slots: asyncio.Semaphore, task: asyncio.Task) -> None:
         """A batch's task ended: free its slot and answer whoever is still waiting.
         Done here, not in ``_serve``: a task cancelled (by ``stop``) before its first
-        step never runs its coroutine's handlers."""
-        assert self._slots is not None
+        step never runs its coroutine's handlers. ``slots``: the semaphore the slot
+        was taken from (a restart after a cancelled stop makes a new one, which this
+        batch must not release)."""
         self._running.discard(task)
-        self._slots.release()
+        slots.release()
         stopped = "the batcher stopped before this request's batch finished; retry elsewhere."
         _fail(batch, NotServing(stopped))
 
@@ -409,4 +449,6 @@ class Batcher:
                     f"the step returned {shown} on replica {replica} for its {len(shard)} "
                     "input rows; it must return one output row per input row."
                 )
-        return np.concatenate(parts)  # CuPy too (host copies)
+        # (Replicas given no rows, when the batch has fewer rows than replicas, add
+        # none: their empty outputs left out, whatever shape the step gives them.)
+        return np.concatenate([p for p, shard in zip(parts, shards, strict=True) if len(shard)])

@@ -133,8 +133,11 @@ def _load(path: Path, wanted: Iterable[str]) -> tuple[dict[str, np.ndarray], lis
     if not isinstance(loaded, np.lib.npyio.NpzFile):  # a .npy file: one bare array
         raise ValueError("it holds one array (.npy), not named arrays (.npz)")
     with loaded as data:
-        held = set(data.files)
-        return {name: data[name] for name in wanted if name in held}, list(data.files)
+        # Each array by its exact member name: data[name] would first look for a
+        # member called `name`, which for a variable named "a.npy" is variable a's.
+        members = set(data.zip.namelist())
+        stored = {name: data[name + ".npy"] for name in wanted if name + ".npy" in members}
+        return stored, list(data.files)
 
 
 async def restore_variables(

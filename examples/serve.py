@@ -23,6 +23,7 @@ could change with the batch size).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import json
 import math
@@ -108,6 +109,26 @@ def parse_inputs(body: bytes, max_rows: int) -> np.ndarray:
     return np.asarray(rows, dtype=np.float64)
 
 
+async def submit_in_batches(batcher: Batcher, rows: np.ndarray) -> np.ndarray:
+    """``rows``' outputs, submitted in pieces of at most ``max_batch_size`` rows (a
+    request may hold more rows than one batch). If one piece is refused, the others
+    are withdrawn (cancelled) and the refusal is raised."""
+    size = batcher.max_batch_size
+    if len(rows) <= size:
+        return await batcher.submit(rows)
+    pieces = [
+        asyncio.ensure_future(batcher.submit(rows[i : i + size])) for i in range(0, len(rows), size)
+    ]
+    try:
+        outputs = await asyncio.gather(*pieces)
+    except BaseException:
+        for piece in pieces:
+            piece.cancel()
+        await asyncio.gather(*pieces, return_exceptions=True)
+        raise
+    return np.concatenate(outputs)
+
+
 def create_app(
     devices: list[str],
     *,
@@ -118,6 +139,11 @@ def create_app(
     max_rows_per_request: int = 256,
     shutdown_deadline: float = 10.0,
 ) -> Starlette:
+    if max_rows_per_request > max_queue_rows:  # such a request could never be admitted
+        raise ValueError(
+            f"max_rows_per_request={max_rows_per_request} is above max_queue_rows="
+            f"{max_queue_rows}; expected at most max_queue_rows."
+        )
     strategy = aiodist.MirroredStrategy(devices)
     model = MLP(strategy, seed)
     batcher = Batcher(
@@ -134,7 +160,7 @@ def create_app(
         except BadInput as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
         try:
-            outputs = await batcher.submit(rows)
+            outputs = await submit_in_batches(batcher, rows)
         except (Overloaded, NotServing) as exc:
             return JSONResponse({"error": str(exc)}, status_code=503)
         return JSONResponse({"outputs": outputs.tolist()})

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import aiodist
-from aiodist.serving import Batcher, NotServing, Overloaded
+from aiodist.serving import Batcher, BatcherStats, NotServing, Overloaded
 from examples.client import http
 from tests.conftest import cpu_devices, loop_lag, wait_until
 
@@ -307,6 +307,10 @@ def test_batcher_argument_checks(two):
             Batcher(two, linear, max_wait_seconds=bad)
     assert Batcher(two, linear, max_wait_seconds=0).max_wait_seconds == 0.0
     assert Batcher(two, linear, max_wait_seconds=1).max_wait_seconds == 1.0
+    with pytest.raises(ValueError, match=r"strategy=None; expected an aiodist strategy"):
+        Batcher(None, linear)
+    with pytest.raises(ValueError, match=r"step_fn=None is not callable"):
+        Batcher(two, None)
 
 
 # -- the example server over real sockets ---------------------------------------------
@@ -401,7 +405,8 @@ async def test_bad_input_answers_400(payload, message):
 
 
 async def test_overload_answers_503_and_recovers():
-    async with running_server(max_queue_rows=8, max_wait_seconds=0.05) as (_, port, _):
+    options = {"max_queue_rows": 8, "max_rows_per_request": 8, "max_wait_seconds": 0.05}
+    async with running_server(**options) as (_, port, _):
         statuses = [
             s
             for s, _ in await asyncio.gather(
@@ -412,6 +417,26 @@ async def test_overload_answers_503_and_recovers():
         assert set(statuses) == {200, 503}
         status, document = await http(port, "POST", "/predict", body([[1.0] * 16]))
         assert status == 200 and len(document["outputs"]) == 1
+
+
+async def test_requests_larger_than_a_batch_are_answered_in_full():
+    # max_batch_size 64, max_rows_per_request 256: a request of 65 or 256 rows is
+    # submitted in batch-sized pieces, and answered whole and exactly.
+    async with running_server() as (app, port, _):
+        rng = np.random.default_rng(3)
+        requests = [rng.normal(size=(rows, 16)).tolist() for rows in (64, 65, 200, 256)]
+        answers = await asyncio.gather(*(http(port, "POST", "/predict", body(r)) for r in requests))
+        for rows, (status, document) in zip(requests, answers, strict=True):
+            assert status == 200, document
+            outputs = np.array(document["outputs"])
+            np.testing.assert_array_equal(outputs, app.state.model.reference(rows))
+        status, _ = await http(port, "POST", "/predict", body([[0.0] * 16] * 257))
+        assert status == 400
+
+
+def test_server_refuses_requests_its_queue_could_never_admit():
+    with pytest.raises(ValueError, match=r"max_rows_per_request=256 is above max_queue_rows=100"):
+        serve.create_app(cpu_devices(2), max_queue_rows=100)
 
 
 async def test_client_disconnect_does_not_disturb_others():
@@ -499,18 +524,162 @@ async def _measure_lag_under_load():
 # -- regressions from review -----------------------------------------------------------
 
 
-async def test_mixed_widths_in_one_batch_fail_that_batch_not_hang(two):
+async def test_a_request_of_another_width_fails_alone(two):
+    # Five good requests and one of width 3 arrive together: the odd one is batched
+    # apart, and only its caller gets the step's error.
     batcher = Batcher(two, linear, max_batch_size=8, max_wait_seconds=0.05)
     await batcher.start()
+    requests = [np.full((1, 4), float(i)) for i in range(3)] + [np.ones((1, 3))]
+    requests += [np.full((1, 4), float(i)) for i in range(3, 5)]
     results = await asyncio.wait_for(
-        asyncio.gather(
-            batcher.submit(np.ones((1, 4))), batcher.submit(np.ones((1, 3))), return_exceptions=True
-        ),
-        5,
+        asyncio.gather(*(batcher.submit(r) for r in requests), return_exceptions=True), 5
     )
-    assert all(isinstance(r, ValueError) for r in results)
+    assert isinstance(results[3], ValueError)
+    for request, result in zip(requests[:3] + requests[4:], results[:3] + results[4:], strict=True):
+        np.testing.assert_array_equal(result, request @ W)
+    await batcher.stop()
+
+
+async def test_a_requests_dtype_does_not_depend_on_what_it_is_batched_with(two):
+    async def double(rows):
+        return rows * 2
+
+    batcher = Batcher(two, double, max_batch_size=8, max_wait_seconds=0.05)
+    await batcher.start()
+    alone = await batcher.submit(np.array([[1, 2]]))
+    together = await asyncio.gather(
+        batcher.submit(np.array([[1, 2]])),
+        batcher.submit(np.array([[0.5, 1.5]])),
+        batcher.submit(np.array([["x", "y"]])),
+        batcher.submit(np.array([[3, 4]])),
+        return_exceptions=True,
+    )
+    assert alone.dtype == together[0].dtype == together[3].dtype == np.int64
+    np.testing.assert_array_equal(together[0], [[2, 4]])
+    np.testing.assert_array_equal(together[1], [[1.0, 3.0]])
+    assert together[1].dtype == np.float64
+    assert isinstance(together[2], TypeError)  # the step fails for strings: theirs only
+    np.testing.assert_array_equal(together[3], [[6, 8]])
+    await batcher.stop()
+
+
+async def test_stop_refuses_a_bad_deadline_and_keeps_serving(two):
+    batcher = Batcher(two, linear, max_wait_seconds=0)
+    await batcher.start()
+    for bad in (None, -5, math.nan, "1"):
+        with pytest.raises(aiodist.InvalidArgumentError, match=rf"deadline={bad!r}; expected"):
+            await batcher.stop(bad)
+    np.testing.assert_array_equal(await batcher.submit(np.ones((1, 4))), np.ones((1, 4)) @ W)
+    await batcher.stop(0)
+
+
+async def test_start_during_stop_waits_for_it_then_serves(two):
+    batcher, stuck = await _stuck_batch(two)
+    stopping = asyncio.create_task(batcher.stop(deadline=0.05))
+    await asyncio.sleep(0)  # stop() has begun draining
+    assert not stopping.done()
+    batcher.step_fn = linear
+    await batcher.start()
+    assert stopping.done()
+    with pytest.raises(NotServing):
+        await stuck
     np.testing.assert_array_equal(await batcher.submit(np.ones((1, 4))), np.ones((1, 4)) @ W)
     await batcher.stop()
+
+
+async def test_a_restart_after_a_cancelled_stop_keeps_one_batch_in_flight():
+    # A batch cancelled by stop() is still cleaning up when stop() is itself cancelled
+    # and the batcher restarts; when that batch ends it must free its own slot, not
+    # one of the new batcher's.
+    cleaning_up, cleaned = asyncio.Event(), asyncio.Event()
+    in_flight = [0, 0]  # batches now, most at once
+
+    async def step(rows):  # (one replica: one step per batch)
+        in_flight[0] += 1
+        in_flight[1] = max(in_flight)
+        try:
+            await asyncio.sleep(0.01 if cleaned.is_set() else 3600)
+        except asyncio.CancelledError:
+            cleaning_up.set()
+            await cleaned.wait()
+            raise
+        finally:
+            in_flight[0] -= 1
+        return rows
+
+    one = aiodist.MirroredStrategy(cpu_devices(1))
+    batcher = Batcher(one, step, max_batch_size=2, max_wait_seconds=0, max_batches_in_flight=1)
+    await batcher.start()
+    first = asyncio.create_task(batcher.submit(np.ones((2, 1))))
+    await wait_until(lambda: in_flight[0], "first batch running")
+    stopping = asyncio.create_task(batcher.stop(deadline=10))
+    await asyncio.sleep(0)  # stop() waits for the batch...
+    stopping.cancel()  # ...and is cancelled (a shutdown timeout): it cancels the batch
+    await asyncio.gather(stopping, return_exceptions=True)
+    await cleaning_up.wait()
+    await batcher.start()
+    cleaned.set()
+    with pytest.raises(NotServing):
+        await first
+    in_flight[1] = 0
+    await asyncio.gather(*(batcher.submit(np.ones((2, 1))) for _ in range(6)))
+    assert in_flight[1] == 1
+    await batcher.stop()
+
+
+async def test_queued_rows_stay_right_when_stop_and_callers_are_cancelled_together(two):
+    gate, ran = asyncio.Event(), []
+
+    async def gated(rows):
+        ran.append(len(rows))
+        await gate.wait()
+        return rows
+
+    options = {"max_batch_size": 4, "max_wait_seconds": 0, "max_batches_in_flight": 1}
+    batcher = Batcher(two, gated, max_queue_rows=4, **options)
+    await batcher.start()
+    running = asyncio.create_task(batcher.submit(np.ones((4, 1))))
+    await wait_until(lambda: ran, "the first batch runs")
+    queued = asyncio.create_task(batcher.submit(np.ones((4, 1))))
+    await wait_until(lambda: batcher.queued_rows == 4, "queue full")
+    stopping = asyncio.create_task(batcher.stop(deadline=10))
+    await asyncio.sleep(0)
+    for task in (stopping, running, queued):  # a shutdown cancels everything at once
+        task.cancel()
+    await asyncio.gather(stopping, running, queued, return_exceptions=True)
+    assert batcher.queued_rows == 0  # not -4: a stopped request is not uncounted twice
+    gate.set()
+    await batcher.start()
+    gate.clear()
+    ran.clear()
+    first = asyncio.create_task(batcher.submit(np.ones((4, 1))))
+    await wait_until(lambda: ran, "the first batch after the restart runs")
+    admitted = [asyncio.create_task(batcher.submit(np.ones((4, 1)))) for _ in range(2)]
+    await asyncio.sleep(0)
+    assert isinstance(admitted[1].exception(), Overloaded)  # 4 rows wait: no more
+    assert batcher.queued_rows == 4
+    gate.set()
+    await asyncio.gather(first, admitted[0])
+    await batcher.stop()
+
+
+async def test_fewer_rows_than_replicas_with_a_step_that_changes_rank_on_no_rows():
+    async def per_row(rows):  # 0 rows give shape (0,), not (0, 3)
+        return np.array([row @ W for row in rows])
+
+    batcher = Batcher(aiodist.MirroredStrategy(cpu_devices(4)), per_row, max_wait_seconds=0)
+    await batcher.start()
+    for size in (1, 3, 4, 5):
+        rows = np.arange(size * 4.0).reshape(size, 4)
+        np.testing.assert_array_equal(await batcher.submit(rows), rows @ W)
+    await batcher.stop()
+
+
+def test_latency_percentiles_are_nearest_rank():
+    stats = BatcherStats(10, 1, 10, 0, 0, [i / 1000 for i in range(10, 0, -1)])
+    assert stats.latency_seconds == {"p50": 0.005, "p90": 0.009, "p99": 0.010}
+    assert BatcherStats(0, 0, 0, 0, 0, []).latency_seconds["p50"] == 0.0
+    assert BatcherStats(1, 1, 1, 0, 0, [0.002]).latency_seconds["p99"] == 0.002
 
 
 async def test_cancelled_queued_rows_free_admission_at_once(two):

@@ -482,10 +482,12 @@ async def test_updating_different_variables_is_a_mismatch(two):
 async def test_checkpoint_names_are_kept_whatever_they_are(tmp_path):
     odd = [
         aiodist.Variable(np.arange(2.0) + i, name=n)
-        for i, n in enumerate(["file", "allow_pickle", "a/b"])
+        # ("a" and "a.npy": NumPy's own lookup of "a.npy" finds a's array.)
+        for i, n in enumerate(["file", "allow_pickle", "a/b", "a", "a.npy", "a.npy.npy"])
     ]
     path = await aiodist.save_variables(tmp_path / "c.npz", odd)
-    assert sorted(np.load(path).files) == ["a/b", "allow_pickle", "file"]
+    held = ["a", "a.npy", "a.npy.npy", "a/b", "allow_pickle", "file"]
+    assert sorted(np.load(path).files) == held
     fresh = [aiodist.Variable(np.zeros(2), name=v.name) for v in odd]
     await aiodist.restore_variables(path, fresh)
     for before, after in zip(odd, fresh, strict=True):
