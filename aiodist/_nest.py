@@ -8,6 +8,7 @@ built in.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -53,12 +54,34 @@ def rebuild(template: list | tuple | dict, new_children: list) -> Any:
     if isinstance(template, dict):
         items = dict(zip(_keys(template), new_children, strict=True))
         # Keep the template's own key order in the result.
-        return type(template)((key, items[key]) for key in template)
+        ordered = {key: items[key] for key in template}
+        kind = type(template)
+        if kind is dict:
+            return ordered
+        return _dict_like(template, ordered)
     if _is_namedtuple(template):
         return type(template)(*new_children)
     if isinstance(template, tuple):
         return tuple(new_children) if type(template) is tuple else type(template)(new_children)
     return list(new_children) if type(template) is list else type(template)(new_children)
+
+
+def _dict_like(template: dict, items: dict) -> dict:
+    """A new dict of ``template``'s own type holding ``items``: a defaultdict keeps
+    its default factory; other subclasses are made empty and filled item by item
+    (a Counter built from pairs would count them; a defaultdict takes its factory
+    first). One whose constructor needs arguments is given the items instead."""
+    kind = type(template)
+    if isinstance(template, defaultdict):
+        result = kind(template.default_factory)
+    else:
+        try:
+            result = kind()
+        except TypeError:
+            return kind(items)
+    for key, item in items.items():
+        result[key] = item
+    return result
 
 
 def _iter_leaves(value: object) -> Iterator[object]:

@@ -107,6 +107,7 @@ class _Call:
     """
 
     __slots__ = (
+        "deadline",
         "failure",
         "first",
         "futures",
@@ -266,6 +267,7 @@ class Rendezvous:
             call.failure = None
             if timeout is not None:
                 call.timeout = timeout
+                call.deadline = now + timeout
                 call.timer = loop.call_later(timeout, self._time_out, call)
             if stall_after is not None:
                 call.stall_after = call.next_warning = stall_after
@@ -285,6 +287,9 @@ class Rendezvous:
         call.payloads[replica] = payload
         call.futures[replica] = future
         call.missing -= 1
+        if timeout is not None or stall_after is not call.stall_after:
+            # A limit of this arrival's own (the first's were set above): it holds too.
+            self._tighten(call, timeout, stall_after, loop)
 
         first = call.first
         if call.failure is not None:
@@ -300,6 +305,35 @@ class Rendezvous:
         elif not call.missing:
             self._complete(call)
         return future
+
+    def _tighten(
+        self,
+        call: _Call,
+        timeout: float | None,
+        stall_after: float | None,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        """A later arrival's ``timeout`` and ``stall_after``, counted from now, where
+        they end before the call's own (those of the arrivals before it): every
+        replica's wait is bounded by the limits it asked for."""
+        now = perf_counter()
+        if (
+            timeout is not None
+            and call.missing
+            and call.failure is None
+            and (call.timer is None or now + timeout < call.deadline)
+        ):
+            if call.timer is not None:
+                call.timer.cancel()
+            call.timeout, call.deadline = timeout, now + timeout
+            call.timer = loop.call_later(timeout, self._time_out, call)
+        if stall_after is not None:
+            due = now - call.started + stall_after  # as next_warning counts: from the start
+            if call.stall_after is None or due < call.next_warning:
+                call.stall_after, call.next_warning = stall_after, due
+                watch = self._watch
+                if watch is not None:
+                    watch(now + stall_after)
 
     def replica_exited(self, replica: int, how: str) -> None:
         """``replica`` finished (``how``: "returned", "raised ValueError", ...).

@@ -19,7 +19,7 @@ import operator
 import os
 from collections.abc import Callable
 from functools import partial
-from types import CodeType, FunctionType
+from types import BuiltinFunctionType, CodeType, FunctionType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -334,6 +334,7 @@ class ReplicaContext:
                 check_reducible(op, arrays[dtypes.index(dtype)], self._where("all_reduce"))
                 reducible.add(dtype)
             key = (op, skeleton, dtypes, tuple(map(_SHAPE, arrays)))
+            value = _as_passed(value, skeleton, arrays)
             describe = partial(_all_reduce_text, op, value, arrays)
             signature = _new(Signature, ("all_reduce", key, describe))
         else:
@@ -388,6 +389,8 @@ class ReplicaContext:
         # value match; for an empty structure the axis changes nothing. The skeleton
         # is at index 1, as in all_reduce's key (RunGroup._collective reads it there).
         key = (None, skeleton, tuple(zip(dtypes, shapes, strict=True)))
+        if nested:
+            value = _as_passed(value, skeleton, arrays)
         signature = Signature(
             "all_gather", key, partial(_all_gather_text, axis, value, arrays)
         )  # not a hot path: the readable constructor
@@ -452,8 +455,20 @@ class ReplicaContext:
         return arrays
 
 
+def _as_passed(value: Any, skeleton: Any, arrays: list) -> Any:
+    """``value``'s structure as it is now, holding ``arrays``: the result is built in
+    it when the call completes, and the caller may change a dict or list of its own
+    before then (a flat list or tuple needs no copy: its result is the list of
+    leaves, or a tuple, which cannot change)."""
+    if type(skeleton[1]) is int and (type(value) is list or isinstance(value, tuple)):
+        return value  # flat (its skeleton is (type name, length)): no copy needed
+    return _nest.pack_as(value, arrays)
+
+
 def _function_text(function: Callable) -> str:
     """A function's name and where it is defined: ``step.<locals>.<lambda> (train.py:12)``."""
+    if isinstance(function, partial):
+        return f"partial({_function_text(function.func)})"
     name = getattr(function, "__qualname__", type(function).__name__)
     code = getattr(getattr(function, "__func__", function), "__code__", None)
     if code is None or hasattr(function, "_aiodist_key"):  # aiodist's own: the name says it
@@ -532,11 +547,19 @@ def _merge_key(merge_fn: Callable) -> object:
     key = getattr(merge_fn, "_aiodist_key", None)
     if key is not None:
         return key
+    if isinstance(merge_fn, partial):  # whatever it wraps must match (not its arguments)
+        return ("partial", _merge_key(merge_fn.func))
     function = getattr(merge_fn, "__func__", merge_fn)
     code = getattr(function, "__code__", None)
-    if code is None:
-        return type(merge_fn)
-    return (code, getattr(function, "__qualname__", ""))
+    if code is not None:
+        return (code, getattr(function, "__qualname__", ""))
+    if isinstance(merge_fn, BuiltinFunctionType):  # a builtin, or a C method: its name
+        # and (for a method) its object's type, so one method of every replica's own
+        # object matches, as closures do
+        return (merge_fn.__qualname__, type(merge_fn.__self__))
+    if isinstance(merge_fn, type):  # a class: itself
+        return merge_fn
+    return type(merge_fn)  # a callable object: its class (instances match, as closures)
 
 
 def _positional(args: Any, where: str) -> tuple:

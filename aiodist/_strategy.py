@@ -609,9 +609,13 @@ def _local_parts(op: ReduceOp, parts: list, axis: Any) -> tuple[list, int]:
     # MIN, MAX: an empty share (an uneven last batch) reduces to the identity TF uses,
     # the dtype's extreme (-inf for a MAX of floats), so it changes nothing.
     extra = {"initial": _extreme(op, parts[0].dtype)} if ufunc.identity is None else {}
-    # Sums and products keep the values' dtype, as without axis (MEAN divides a sum
-    # made in NumPy's default accumulator, which does not overflow small integers).
-    dtype = None if op is ReduceOp.MEAN else parts[0].dtype
+    # Sums and products keep the values' dtype, as without axis; MEAN sums integers
+    # as float64, as NumPy's mean does (their default accumulator, int64 or uint64,
+    # would wrap).
+    if op is ReduceOp.MEAN:
+        dtype = np.float64 if parts[0].dtype.kind in "iub" else None
+    else:
+        dtype = parts[0].dtype
     return [np.asarray(ufunc.reduce(p, axis=axes, dtype=dtype, **extra)) for p in parts], count
 
 

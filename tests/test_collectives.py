@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
 import re
 import weakref
@@ -284,6 +285,57 @@ async def test_mean_of_small_integers_does_not_wrap(three, dtype):
         np.testing.assert_array_equal(await three.reduce("mean", values, axis=0), expected)
         reduced = await three.extended.reduce_to("mean", values, "cpu:0")
         np.testing.assert_array_equal(reduced, [expected])
+
+
+@pytest.mark.parametrize("kind", ["defaultdict", "Counter", "OrderedDict"])
+async def test_dict_subclasses_keep_their_type_through_collectives_and_runs(two, kind):
+    make = {
+        "defaultdict": lambda items: collections.defaultdict(list, items),
+        "Counter": collections.Counter,
+        "OrderedDict": collections.OrderedDict,
+    }[kind]
+
+    async def fn(arg):
+        ctx = aiodist.get_replica_context()
+        reduced = await ctx.all_reduce("sum", make({"hits": np.int64(rid() + 1)}))
+        gathered = await ctx.all_gather(make({"rows": np.array([rid()])}), axis=0)
+        return reduced, gathered, make({"own": rid(), "arg": arg["x"]})
+
+    arg = make({"x": aiodist.PerReplica([10, 11])})
+    reduced, gathered, returned = await two.run(fn, args=(arg,))
+    for value in (reduced, gathered, returned):
+        assert type(value) is type(arg)
+    if kind == "defaultdict":
+        assert reduced.default_factory is list
+    assert [int(v) for v in local(two, reduced["hits"])] == [3, 3]
+    assert [v.tolist() for v in local(two, gathered["rows"])] == [[0, 1], [0, 1]]
+    assert local(two, returned["own"]) == [0, 1] and local(two, returned["arg"]) == [10, 11]
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather"])
+async def test_a_structure_changed_after_the_call_gets_the_result_as_passed(two, collective):
+    # A replica starts the collective, then changes its dict and list before awaiting.
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        value = {"acc": np.array([1.0]), "loss": [np.array([2.0])]}
+        if collective == "all_reduce":
+            pending = ctx.all_reduce("sum", value)
+        else:
+            pending = ctx.all_gather(value, axis=0)
+        if rid() == 0:
+            del value["acc"]
+            value["lr"] = np.array([9.0])
+            value["loss"].append(np.array([7.0]))
+        return await pending
+
+    result = await two.run(fn)
+    expected = [2.0, 4.0] if collective == "all_reduce" else [[1.0, 1.0], [2.0, 2.0]]
+    for replica in range(2):
+        assert sorted(result) == ["acc", "loss"] and len(result["loss"]) == 1
+        got = [local(two, result["acc"])[replica], local(two, result["loss"][0])[replica]]
+        assert [np.ravel(g).tolist() for g in got] == [
+            np.ravel(e).tolist() for e in np.array(expected)
+        ]
 
 
 @pytest.mark.parametrize("empty", [[], (), {}], ids=["list", "tuple", "dict"])

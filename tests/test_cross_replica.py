@@ -93,6 +93,14 @@ async def test_reduce_with_axis_uses_true_element_count(three):
     assert float(await three.reduce("product", value, axis=[0])) == 720.0
 
 
+@pytest.mark.parametrize("dtype", [np.int64, np.uint64])
+async def test_reduce_mean_with_axis_sums_large_integers_without_wrapping(two, dtype):
+    big = np.iinfo(dtype).max // 2  # two of them overflow the dtype
+    value = aiodist.PerReplica([np.array([big, big], dtype), np.array([big], dtype)])
+    expected = np.mean(np.array([big] * 3, dtype))
+    assert float(await two.reduce("mean", value, axis=0)) == expected
+
+
 async def test_reduce_with_axis_over_an_empty_share(three):
     """Two rows over three replicas (as experimental_distribute_dataset splits them):
     MIN and MAX skip the empty share, as TF does (its identity is the dtype's extreme)."""

@@ -11,6 +11,7 @@ import contextlib
 import gc
 import time
 import weakref
+from functools import partial
 
 import numpy as np
 import pytest
@@ -181,6 +182,31 @@ async def test_per_call_timeout_names_missing_replicas(three):
     assert "replicas 0, 1 arrived" in message
 
 
+@pytest.mark.parametrize("first_options", [None, 2.0])
+async def test_a_later_arrivals_timeout_bounds_its_wait_too(three, first_options):
+    # Replica 0 arrives first, with no timeout or a long one; replica 2 then asks for
+    # 0.05 s: its wait ends then, naming the replica still missing.
+    first = aiodist.CommunicationOptions(timeout_seconds=first_options)
+    later = aiodist.CommunicationOptions(timeout_seconds=0.05)
+    arrived = asyncio.Event()
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        if rid() == 1:
+            await asyncio.Event().wait()  # never arrives
+        if rid() == 0:
+            pending = ctx.all_reduce("sum", 1.0, options=first)
+            arrived.set()
+            return await pending
+        await arrived.wait()
+        return await ctx.all_reduce("sum", 1.0, options=later)
+
+    errors, raised = await asyncio.wait_for(run_collecting(three, fn), 1.5)
+    assert isinstance(raised, aiodist.RendezvousTimeoutError)
+    assert sorted(errors) == [0, 2]
+    assert "all_reduce #0: timed out after 0.05 s waiting for replica 1" in str(raised)
+
+
 async def test_strategy_default_timeout_applies_to_merge_call():
     strategy = aiodist.MirroredStrategy(
         cpu_devices(2),
@@ -274,6 +300,48 @@ async def test_different_merge_fns_are_a_mismatch(two):
     assert isinstance(raised, aiodist.CollectiveMismatchError)
     assert sorted(errors) == [0, 1]
     assert "merge_a" in str(raised) and "merge_b" in str(raised)
+
+
+def _apply_update(strategy, lr):
+    return f"update {lr}"
+
+
+def _log_metrics(strategy, tag):
+    return f"log {tag}"
+
+
+class _Merger:
+    def __call__(self, strategy):
+        return "merged"
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "shown"),
+    [
+        (partial(_apply_update, lr=0.1), partial(_log_metrics, tag="t"), "partial(_apply_update"),
+        (str, int, "merge_call(str)"),
+        (len, abs, "merge_call(len)"),
+        (_Merger(), partial(_log_metrics, tag="t"), "merge_call(_Merger)"),
+    ],
+)
+async def test_merge_fns_without_code_of_their_own_are_told_apart(two, first, second, shown):
+    async def fn():
+        return await aiodist.get_replica_context().merge_call(first if rid() == 0 else second)
+
+    errors, raised = await run_collecting(two, fn)
+    assert isinstance(raised, aiodist.CollectiveMismatchError)
+    assert sorted(errors) == [0, 1]
+    assert shown in str(raised)
+
+
+async def test_partials_of_one_function_and_instances_of_one_class_match(two):
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        update = await ctx.merge_call(partial(_apply_update, lr=rid()))  # replica 0's runs
+        merged = await ctx.merge_call(_Merger())
+        return update, merged
+
+    assert await two.run(fn) == ("update 0", "merged")
 
 
 async def test_per_replica_closures_of_one_merge_fn_match(three):

@@ -95,6 +95,31 @@ async def test_stall_reports_repeat_at_growing_intervals_and_never_fail(caplog):
         await run
 
 
+async def test_a_later_arrivals_sooner_stall_warning_is_reported(caplog):
+    caplog.set_level(logging.WARNING, logger="aiodist")
+    strategy = aiodist.MirroredStrategy(cpu_devices(3))  # the default: 30 s
+    soon = aiodist.CommunicationOptions(stall_warning_seconds=0.03)
+    release, arrived = asyncio.Event(), asyncio.Event()
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        if rid() == 1:
+            await release.wait()
+        if rid() == 0:
+            pending = ctx.all_reduce("sum", 1.0)  # first, with the default
+            arrived.set()
+            return await pending
+        if rid() == 2:
+            await arrived.wait()
+        return await ctx.all_reduce("sum", 1.0, options=soon if rid() == 2 else None)
+
+    run = asyncio.create_task(strategy.run(fn))
+    [record] = await wait_for_records(caplog, 1)
+    release.set()
+    await run
+    assert "replicas 0, 2 arrived, replica 1 missing" in record.getMessage()
+
+
 async def test_no_report_when_nothing_stalls(caplog):
     caplog.set_level(logging.WARNING, logger="aiodist")
     options = aiodist.CommunicationOptions(stall_warning_seconds=0.03)
