@@ -434,6 +434,11 @@ class Rendezvous:
             failure.__cause__ = exc
             self._fail(call, failure)
             return
+        except StopIteration as exc:  # (a future cannot hold one: PEP 479's answer)
+            failure = RuntimeError(f"{call.label}: the cross-replica code raised StopIteration")
+            failure.__cause__ = exc
+            self._fail(call, failure)
+            return
         except Exception as exc:
             self._fail(call, exc)
             return

@@ -97,6 +97,7 @@ _NBYTES = attrgetter("nbytes")
 
 
 _NO_MERGE_FN = object()  # (no merge_call yet: a RunGroup's _merge_fn)
+_NO_RESULT = object()  # (a replica that has not returned: its entry in _results)
 
 
 def _nothing(_: object = None) -> None:
@@ -160,8 +161,20 @@ def _first_then_rest(coro: Any, group: RunGroup | None = None, number: int = 0) 
     except GeneratorExit:  # the task was destroyed unstarted
         coro.close()
         raise
-    except BaseException as exc:  # cancelled before its first step: into coro
-        remaining = step_through(coro, resume=(None, exc))
+    except BaseException as exc:  # cancelled before its first scheduled step
+        if (
+            isinstance(exc, asyncio.CancelledError)
+            and getattr(yielded, "_asyncio_future_blocking", None) is not None
+            and yielded.cancel(msg=exc.args[0] if exc.args else None)
+        ):
+            # What Task.cancel() does with the future a task awaits (the task never
+            # saw this one: the first step ran here): cancel it, and let coro learn of
+            # it as it resumes from that future, once it is done (a child task may
+            # take steps to end). Not the error thrown in at once: the child would
+            # run on after its merge_fn, and the run, had ended.
+            remaining = step_through(coro, resume=(yielded, None))
+        else:  # nothing to cancel (a bare yield; a future already done): into coro
+            remaining = step_through(coro, resume=(None, exc))
     else:
         remaining = step_through(coro, resume=(yielded, None))
     if group is None:
@@ -243,8 +256,8 @@ async def _replica(
             result = fn(*args, **kwargs) if kwargs else fn(*args)
             if _awaitable(result):
                 result = await result
-    except BaseException:
-        group._replica_raised(rid)
+    except BaseException as exc:
+        group._replica_raised(rid, exc)
         raise
     rendezvous = group._rendezvous
     if rendezvous is not None:
@@ -309,6 +322,7 @@ class RunGroup:
     _base: contextvars.Context | None = None
     _run_id = 0  # this run's number in the trace being recorded, if any
     _remaining = 0  # replicas still running
+    _results: list | tuple = ()  # each replica's result, once it returned (see run)
     _all_done: asyncio.Future | None = None  # set when none is
     _loop: asyncio.AbstractEventLoop | None = None  # the run's loop, once it runs
     _lane = 0  # this run's lane of tracks in the trace being recorded (see _trace)
@@ -378,11 +392,14 @@ class RunGroup:
             if self._remaining == self.num_replicas and not self._exits and not self._finished:
                 return self._rendezvous
             # Replicas that returned before any collective (the failed ones are in
-            # _exits): their tasks are done, since a replica's task ends in the step
-            # that reports its return, and this runs in a later one.
+            # _exits): each stored its result in the step that returned, and this
+            # runs in a later one.
             if self._remaining < self.num_replicas:  # some replica has returned
-                for slot, task in zip(self.slots, self._tasks, strict=False):
-                    if task.done() and not task.cancelled() and task.exception() is None:
+                # (Known by the result it stored, not by its task: a task factory's
+                # wrapper may still be running after the replica's function returned.)
+                # (None for the default group, which runs nothing.)
+                for slot, result in zip(self.slots, self._results, strict=False):
+                    if result is not _NO_RESULT:
                         self._rendezvous.replica_exited(slot.replica_id, "returned")
             for replica, how in self._exits:
                 self._rendezvous.replica_exited(replica, how)
@@ -467,7 +484,7 @@ class RunGroup:
         n = self._remaining = self.num_replicas
         # Each replica's result, stored by its task as it returns (saves a Task.result()
         # call per replica).
-        self._results = [None] * n
+        self._results = [_NO_RESULT] * n
         slots = self.slots
         strategy = self.strategy
         code = getattr(fn, "__code__", None)
@@ -606,14 +623,14 @@ class RunGroup:
                 return regroup(results, self.devices)
         return first
 
-    def _replica_raised(self, rid: int) -> None:
-        """Replica ``rid``'s function raised or was cancelled (called in its task's last
-        step). The run learns of it from a callback queued now: it runs after the task
-        has finished and after the wake-ups already queued, such as those of every
-        replica waiting in a collective that just failed, so each of them raises the
-        shared error before the others are cancelled."""
-        loop = self._loop
-        loop.call_soon(self._replica_failed, rid, asyncio.current_task(loop))
+    def _replica_raised(self, rid: int, exc: BaseException) -> None:
+        """Replica ``rid``'s function raised ``exc`` or was cancelled (called in its
+        task's last step). The run learns of it from a callback queued now: it runs
+        after the wake-ups already queued, such as those of every replica waiting in a
+        collective that just failed, so each of them raises the shared error before
+        the others are cancelled. (``exc`` itself, not read from the task: a task
+        factory's wrapper may still be running when the callback runs.)"""
+        self._loop.call_soon(self._replica_failed, rid, exc)
 
     def _state(self, rid: int) -> _State:
         """Replica ``rid``'s context state in this run (a merge_fn's has no replica
@@ -679,10 +696,11 @@ class RunGroup:
             self._lane_tracer.free_lane(self._lane)
             self._lane_tracer = None
 
-    def _replica_failed(self, rid: int, task: asyncio.Task) -> None:
-        """A replica's task raised or was cancelled: record the run's failure, tell the
-        rendezvous, and let the run finish (it waits for every task in ``_drain``)."""
-        if task.cancelled():
+    def _replica_failed(self, rid: int, exc: BaseException) -> None:
+        """Replica ``rid``'s function raised ``exc`` or was cancelled: record the run's
+        failure, tell the rendezvous, and let the run finish (it waits for every task
+        in ``_drain``)."""
+        if isinstance(exc, asyncio.CancelledError):
             if not self._cancelling and self._failure is None:
                 # Cancelled by something other than this run: it cannot finish.
                 self._failure = ReplicaExitedError(
@@ -693,9 +711,7 @@ class RunGroup:
                 self._cancel_all()
             self._replica_exited(rid, "was cancelled")
         else:
-            exc = task.exception()  # retrieved here: the run re-raises the first failure
-            assert exc is not None
-            if self._failure is None:
+            if self._failure is None:  # the run re-raises the first failure
                 self._failure = exc
                 self._cancel_all()
             self._replica_exited(rid, f"raised {type(exc).__name__}")
@@ -734,6 +750,11 @@ class RunGroup:
             except asyncio.CancelledError as exc:
                 cancelled = cancelled or exc
                 self._cancel_all()
+        # The replicas' failures are the run's to report (it raises the first): each
+        # marked retrieved, so asyncio does not log them again as never retrieved.
+        for task in self._tasks:
+            if not task.cancelled():
+                task.exception()
         if cancelled is not None:
             raise cancelled
 
@@ -896,6 +917,8 @@ class RunGroup:
                 for each in (coro, *unstarted):
                     _close_unstarted(each)
                 raise
+            if unstarted:  # the factory's task may wrap coro: closed with the rest if
+                unstarted = (coro, *unstarted)  # the task is cancelled unstarted
         if task.done():  # run to its end eagerly: nothing to wait for
             return task
         aux[task] = unstarted

@@ -599,6 +599,157 @@ async def test_no_never_awaited_warnings_when_a_run_is_cancelled_as_the_last_rep
     assert ran == ([] if plain else [True] * 3)
 
 
+def _wrapped_tasks(epilogue: str):
+    """A task factory wrapping each coroutine, as instrumentation does, with a step
+    of async work after it: on return ("after return") or however it ends ("finally")."""
+
+    async def instrumented(coro):
+        if epilogue == "finally":
+            try:
+                return await coro
+            finally:
+                await asyncio.sleep(0.02)  # e.g. flushing a span
+        result = await coro
+        await asyncio.sleep(0.02)
+        return result
+
+    def factory(loop, coro, **kwargs):
+        kwargs.pop("eager_start", None)
+        return asyncio.Task(instrumented(coro), loop=loop, **kwargs)
+
+    return factory
+
+
+@pytest.mark.parametrize("epilogue", ["after return", "finally"])
+async def test_a_replica_that_returns_before_a_collective_is_seen_under_a_wrapping_factory(
+    two, epilogue
+):
+    async def step():
+        if rid() == 0:
+            return "done"  # never joins the merge_call
+        await asyncio.sleep(0.01)
+        return await aiodist.get_replica_context().merge_call(lambda s: 1)
+
+    with task_factory(_wrapped_tasks(epilogue)):
+        with pytest.raises(aiodist.ReplicaExitedError, match="replica 0 returned without"):
+            await asyncio.wait_for(two.run(step), 2)
+
+
+@pytest.mark.parametrize("epilogue", ["after return", "finally"])
+async def test_a_replica_that_raises_fails_the_run_under_a_wrapping_factory(two, epilogue):
+    boom = KeyError("replica 0 failed")
+    cancelled = []
+
+    async def step():
+        if rid() == 0:
+            raise boom
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.append(rid())
+            raise
+
+    loop = asyncio.get_running_loop()
+    errors = []
+    loop.set_exception_handler(lambda loop, context: errors.append(context))
+    try:
+        with task_factory(_wrapped_tasks(epilogue)):
+            with pytest.raises(KeyError) as info:
+                await asyncio.wait_for(two.run(step), 2)
+    finally:
+        loop.set_exception_handler(None)
+    assert info.value is boom and cancelled == [1]
+    gc.collect()
+    await asyncio.sleep(0)
+    assert errors == []  # nothing logged: no callback failed, no exception unretrieved
+
+
+async def test_a_wrapping_factory_leaves_no_merge_coroutine_unawaited(two):
+    # The run fails in the loop turn where the last replica arrives, before the async
+    # merge_fn's task (made by the factory, wrapped) has started.
+    async def merge_fn(strategy):
+        await asyncio.sleep(0.01)
+
+    async def step():
+        ctx = aiodist.get_replica_context()
+        if rid() == 0:
+            ctx.merge_call(merge_fn).cancel()  # arrives, will not wait
+            await asyncio.sleep(0)
+            raise ValueError("replica 0 fails")
+        await asyncio.sleep(0)
+        return await ctx.merge_call(merge_fn)
+
+    with task_factory(_wrapped_tasks("after return")):
+        for _ in range(3):  # a warning would fail the test (filterwarnings = error)
+            with pytest.raises(ValueError, match="replica 0 fails"):
+                await two.run(step)
+    gc.collect()
+
+
+async def test_a_merge_fn_cancelled_before_its_tasks_step_cancels_what_it_awaits(two):
+    # merge_fn awaits a child task in its (eager) first step; the run fails, and
+    # cancels the merge task, before that task's first scheduled step: the child is
+    # cancelled too, as asyncio cancels what a task awaits, and nothing is left.
+    log = []
+
+    async def child():
+        try:
+            await asyncio.sleep(0.2)
+            log.append("child ran on")
+        except asyncio.CancelledError:
+            log.append("child cancelled")
+            raise
+
+    async def merge_fn(strategy):
+        task = asyncio.create_task(child())
+        try:
+            await task
+        except asyncio.CancelledError:
+            log.append(f"merge_fn cancelled, child done: {task.done()}")
+            raise
+
+    async def step():
+        ctx = aiodist.get_replica_context()
+        if rid() == 0:
+            ctx.merge_call(merge_fn).cancel()
+            await asyncio.sleep(0)
+            raise ValueError("replica 0 fails")
+        await asyncio.sleep(0)
+        return await ctx.merge_call(merge_fn)
+
+    before = asyncio.all_tasks()
+    with pytest.raises(ValueError, match="replica 0 fails"):
+        await two.run(step)
+    assert asyncio.all_tasks() == before
+    await asyncio.sleep(0.25)
+    assert log == ["merge_fn cancelled, child done: True"]  # (cancelled before it started)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_a_merge_fn_raising_stopiteration_fails_every_replica(two, kind):
+    def sync_merge(strategy):
+        return next(iter(()))
+
+    async def async_merge(strategy):
+        return next(iter(()))
+
+    seen = {}
+
+    async def step():
+        try:
+            return await aiodist.get_replica_context().merge_call(
+                sync_merge if kind == "sync" else async_merge
+            )
+        except RuntimeError as exc:
+            seen[rid()] = exc
+            raise
+
+    with pytest.raises(RuntimeError, match="StopIteration") as info:
+        await two.run(step)
+    assert sorted(seen) == [0, 1] and all(e is info.value for e in seen.values())
+    assert isinstance(info.value.__cause__, StopIteration)
+
+
 def _plain_tasks(loop, coro, **kwargs):
     """A task factory making the tasks asyncio makes by default (never eager)."""
     kwargs.pop("eager_start", None)  # uvloop on Python 3.13 passes eager_start=None
