@@ -92,8 +92,10 @@ def get_strategy() -> Strategy:
 
 
 def has_strategy() -> bool:
-    """Whether a strategy other than the default one is current."""
-    return _STATE.get()[STRATEGY] is not None
+    """Whether a strategy other than the default one is current (the default one is,
+    in its own run or merge_fn: as in TF, that is no strategy)."""
+    strategy = _STATE.get()[STRATEGY]
+    return strategy is not None and strategy is not _default.get("strategy")
 
 
 def in_cross_replica_context() -> bool:
@@ -115,12 +117,13 @@ def get_replica_context() -> ReplicaContext | None:
 
 
 def get_cross_replica_context() -> Strategy | None:
-    """The current strategy in cross-replica context (the default one outside any
-    scope); None inside a replica function."""
+    """The current strategy in cross-replica context (a scope, a merge_fn); None in a
+    replica function and outside any scope, which is the default replica context (as
+    in TF: exactly one of this and ``get_replica_context()`` is None)."""
     state = _STATE.get()
     if state[REPLICA] is not None:
         return None
-    return _default["strategy"] if state[STRATEGY] is None else state[STRATEGY]
+    return state[STRATEGY]
 
 
 def experimental_set_strategy(strategy: Strategy | None) -> None:
@@ -156,6 +159,8 @@ def scope_of(strategy: Strategy) -> Iterator[Strategy]:
     """
     state = _STATE.get()
     current = state[STRATEGY]
+    if current is not None and current is _default.get("strategy") and current is not strategy:
+        current = None  # the default strategy's run or merge_fn: no strategy, as in TF
     default = strategy is _default.get("strategy")
     if default and current is not None and current is not strategy:
         raise _mixing(current, strategy)  # TF: scopes must not nest

@@ -70,14 +70,19 @@ class InputOptions:
 
     Args:
         experimental_fetch_to_device: place each replica's shard on its device
-            (True), or keep it on the host as NumPy (False).
+            (True), or keep it on the host as NumPy (False). None (the default)
+            means True, as in TF.
         experimental_replication_mode: see ``InputReplicationMode``.
+        experimental_place_dataset_on_device: the dataset function itself makes
+            its elements on the replica's device, and aiodist transfers none (as
+            in TF: only with ``PER_REPLICA`` and ``experimental_fetch_to_device=False``).
         experimental_per_replica_buffer_size: how many elements to fetch ahead
             of the consumer (at least 1).
     """
 
-    experimental_fetch_to_device: bool = True
+    experimental_fetch_to_device: bool | None = None
     experimental_replication_mode: InputReplicationMode = InputReplicationMode.PER_WORKER
+    experimental_place_dataset_on_device: bool = False
     experimental_per_replica_buffer_size: int = 1
 
     def __post_init__(self) -> None:
@@ -86,6 +91,22 @@ class InputOptions:
         name = "experimental_replication_mode"
         mode = member(InputReplicationMode, getattr(self, name), name)
         object.__setattr__(self, name, mode)  # a frozen dataclass
+        for name in ("experimental_fetch_to_device", "experimental_place_dataset_on_device"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (
+                value is None and name == "experimental_fetch_to_device"
+            ):
+                raise InvalidArgumentError(f"InputOptions: {name}={value!r}; expected a bool.")
+        if self.experimental_fetch_to_device is None:
+            object.__setattr__(self, "experimental_fetch_to_device", True)
+        if self.experimental_place_dataset_on_device and (
+            self.experimental_fetch_to_device or mode is not InputReplicationMode.PER_REPLICA
+        ):
+            raise InvalidArgumentError(
+                "InputOptions: experimental_place_dataset_on_device=True needs "
+                "experimental_replication_mode=PER_REPLICA and experimental_fetch_to_device="
+                f"False (got {mode.name} and {self.experimental_fetch_to_device}), as in TF."
+            )
 
 
 class InputContext:

@@ -150,6 +150,15 @@ class StrategyExtended:
         self._strategy = strategy
         self._cross_device_ops = cross_device_ops
 
+    def variable_created_in_scope(self, v: Any) -> bool:
+        """Whether ``v`` is a variable created in this strategy's scope (for the
+        default strategy: one created outside any scope)."""
+        if not isinstance(v, _variables.Variable):
+            return False
+        if self._strategy is _context._default.get("strategy"):
+            return v._strategy is None
+        return v._strategy is self._strategy
+
     @property
     def worker_devices(self) -> tuple[str, ...]:
         """Canonical names of the replicas' devices, in replica order."""
@@ -238,6 +247,8 @@ class StrategyExtended:
         be ambiguous and raise."""
         n = self._strategy.num_replicas_in_sync
         ambiguous = op in (ReduceOp.SUM, ReduceOp.PRODUCT)
+        if hasattr(value, "_aiodist_local_results"):  # a variable: its copies, as in TF
+            return PerReplica(value._aiodist_local_results(), value._aiodist_devices)
         if isinstance(value, DistributedValues) or n == 1 or not ambiguous:
             return value
         raise InvalidArgumentError(
@@ -550,6 +561,8 @@ class Strategy:
     async def _host_components(self, value: Any) -> list:
         """The components of ``value`` as host arrays; GPU components are copied in
         stream order while the loop keeps running."""
+        if hasattr(value, "_aiodist_local_results"):  # a variable: its copies, as TF's
+            value = PerReplica(value._aiodist_local_results(), value._aiodist_devices)
         if isinstance(value, DistributedValues):
             parts = list(value._values)
             if len(parts) != len(self._slots):

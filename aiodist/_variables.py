@@ -404,15 +404,32 @@ class Variable:
 
     async def assign(self, value: Any) -> Variable:
         """Set the value (see the module docs for how replicas combine)."""
+        self._require_own_strategy()
         return await self._write("assign", value)
 
     async def assign_add(self, value: Any) -> Variable:
         """Add to the value (see the module docs for how replicas combine)."""
+        self._require_own_strategy()
         return await self._write("assign_add", value)
 
     async def assign_sub(self, value: Any) -> Variable:
         """Subtract from the value (see the module docs for how replicas combine)."""
+        self._require_own_strategy()
         return await self._write("assign_sub", value)
+
+    def _require_own_strategy(self) -> None:
+        """TF's rule: a strategy's variable is written under that strategy (its scope,
+        its run, its merge_fn) or under none; under another one, its replicas could
+        not be combined, and it raises "Mixing different ... strategies"."""
+        if self._strategy is None:
+            return
+        current = _context.current_state()[_context.STRATEGY]
+        if (
+            current is not None
+            and current is not self._strategy
+            and current is not _context._default.get("strategy")
+        ):
+            raise _context._mixing(current, self._strategy)
 
     async def _write(self, kind: str, value: Any) -> Variable:
         self._write_every_copy(kind, value)

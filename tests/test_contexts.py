@@ -14,11 +14,38 @@ def test_outside_any_scope_is_the_default_context():
     default = aiodist.get_strategy()
     assert not aiodist.has_strategy()
     assert not aiodist.in_cross_replica_context()
-    assert aiodist.get_cross_replica_context() is default
+    # The default replica context, as in TF: exactly one of the two is None.
+    assert aiodist.get_cross_replica_context() is None
     ctx = aiodist.get_replica_context()
     assert ctx is not None and ctx.strategy is default
     assert default.num_replicas_in_sync == 1
     assert default.extended.worker_devices == ("/device:CPU:0",)
+    with default.scope():  # TF's default scope enters no cross-replica context either
+        assert aiodist.get_cross_replica_context() is None
+        assert aiodist.get_replica_context() is not None
+
+
+async def test_the_default_strategys_run_and_merge_fn_are_no_strategy(two):
+    default = aiodist.get_strategy()
+
+    def merge_fn(strategy):
+        return (aiodist.has_strategy(), aiodist.get_cross_replica_context() is default)
+
+    async def fn():
+        seen = {"has_strategy": aiodist.has_strategy(), "strategy": aiodist.get_strategy()}
+        with two.scope():  # no other strategy is current here: TF allows it
+            seen["scope"] = aiodist.get_strategy()
+        seen["merge"] = await aiodist.get_replica_context().merge_call(merge_fn)
+        return seen
+
+    seen = await default.run(fn)
+    assert seen == {
+        "has_strategy": False,
+        "strategy": default,
+        "scope": two,
+        "merge": (False, True),
+    }
+    assert await aiodist.get_replica_context().merge_call(merge_fn) == (False, True)
 
 
 def test_scope_enters_cross_replica_context(two):

@@ -313,3 +313,41 @@ def test_from_function_bad_arguments(two):
         two.distribute_datasets_from_function(3)
     with pytest.raises(ValueError, match=r"is not iterable"):
         two.distribute_datasets_from_function(lambda ctx: 5)
+
+
+def test_input_options_fields_as_in_tf():
+    default = aiodist.InputOptions()
+    assert default.experimental_fetch_to_device is True
+    assert default.experimental_place_dataset_on_device is False
+    assert aiodist.InputOptions(experimental_fetch_to_device=None).experimental_fetch_to_device
+    placed = aiodist.InputOptions(
+        experimental_place_dataset_on_device=True,
+        experimental_fetch_to_device=False,
+        experimental_replication_mode="PER_REPLICA",
+    )
+    assert placed.experimental_place_dataset_on_device
+    for wrong in ({}, {"experimental_replication_mode": "PER_REPLICA"}):
+        with pytest.raises(ValueError, match=r"place_dataset_on_device=True needs"):
+            aiodist.InputOptions(experimental_place_dataset_on_device=True, **wrong)
+    with pytest.raises(ValueError, match=r"experimental_fetch_to_device='yes'; expected a bool"):
+        aiodist.InputOptions(experimental_fetch_to_device="yes")
+
+
+async def test_a_dataset_placed_on_device_by_its_function_is_used_as_it_is(two):
+    options = aiodist.InputOptions(
+        experimental_place_dataset_on_device=True,
+        experimental_fetch_to_device=False,
+        experimental_replication_mode="PER_REPLICA",
+    )
+    made = []
+
+    def dataset_fn(context):
+        batch = np.full((2, 1), float(context.input_pipeline_id))
+        made.append(batch)
+        return [batch]
+
+    dataset = two.distribute_datasets_from_function(dataset_fn, options)
+    [element] = [e async for e in dataset]
+    for got, batch in zip(two.experimental_local_results(element), made, strict=True):
+        assert type(got) is np.ndarray  # as the function made it: no transfer
+        np.testing.assert_array_equal(got, batch)

@@ -606,3 +606,52 @@ async def test_checkpoint_files_follow_the_umask(tmp_path):
     finally:
         os.umask(old)
     assert path.stat().st_mode & 0o777 == 0o644
+
+
+async def test_reduce_of_a_variable_reduces_its_copies_as_tf_does(two):
+    with two.scope():
+        seen = aiodist.Variable(0.0, synchronization="ON_READ", aggregation="sum")
+        w = aiodist.Variable(2.0)
+
+    async def count():
+        await seen.assign_add(float(rid() + 1))  # copies 1 and 2
+
+    await two.run(count)
+    assert float(seen.read_value()) == 3.0  # the aggregated read
+    assert float(await two.reduce("mean", seen, axis=None)) == 1.5  # its copies' mean
+    assert float(await two.reduce("sum", seen, axis=None)) == 3.0
+    assert float(await two.extended.reduce_to("mean", seen, "cpu:0")) == 1.5
+    ops = two.extended._cross_device_ops  # the cross-device ops' own reduce too
+    assert float(await ops.reduce("mean", seen, "cpu:0")) == 1.5
+    assert float(await two.reduce("sum", w, axis=None)) == 4.0  # two copies of 2.0
+
+
+async def test_writing_a_variable_under_another_strategy_raises(two, three):
+    with two.scope():
+        v = aiodist.Variable(1.0, aggregation="mean")
+
+    async def fn():
+        await v.assign_add(1.0)
+
+    with pytest.raises(RuntimeError, match=r"Mixing different aiodist strategies"):
+        await three.run(fn)
+    with three.scope(), pytest.raises(RuntimeError, match=r"Mixing different aiodist"):
+        await v.assign(7.0)
+    assert copies(two, v) == [1.0, 1.0]  # nothing was written
+    await v.assign(3.0)  # outside any scope: fine, as under its own
+    with two.scope():
+        await v.assign_add(1.0)
+    assert copies(two, v) == [4.0, 4.0]
+
+
+def test_variable_created_in_scope(two, three):
+    with two.scope():
+        v = aiodist.Variable(1.0)
+    plain = aiodist.Variable(1.0)
+    default = aiodist.get_strategy()
+    assert two.extended.variable_created_in_scope(v)
+    assert not three.extended.variable_created_in_scope(v)
+    assert not two.extended.variable_created_in_scope(plain)
+    assert default.extended.variable_created_in_scope(plain)
+    assert not default.extended.variable_created_in_scope(v)
+    assert not two.extended.variable_created_in_scope(1.0)
