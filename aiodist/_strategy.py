@@ -89,22 +89,28 @@ class ValueContext:
         )
 
 
-def _parse_devices(devices: Any) -> tuple[Device, ...]:
+def _parse_devices(devices: Any, name: str = "devices") -> tuple[Device, ...]:
+    """``devices`` (the argument called ``name``) parsed: a list of device strings."""
+    if isinstance(devices, str) and "," in devices:  # "cpu:0,cpu:1": several, as one
+        listed = [part.strip() for part in devices.split(",") if part.strip()]
+        raise DeviceError(
+            f"{name}={devices!r} is one string; expected a list of device strings, e.g. {listed!r}."
+        )
     if isinstance(devices, str | Device):
         raise DeviceError(
-            f"devices={devices!r} is a single device; expected a list of device strings, "
+            f"{name}={devices!r} is a single device; expected a list of device strings, "
             f"e.g. [{str(devices)!r}] (or use OneDeviceStrategy)."
         )
     try:
         parsed = tuple(parse_device(d) for d in devices)
     except TypeError:
         raise DeviceError(
-            f"devices={devices!r}; expected a list of device strings such as "
+            f"{name}={devices!r}; expected a list of device strings such as "
             "['cpu:0', 'cpu:1'] or ['GPU:0', 'GPU:1']."
         ) from None
     if not parsed:
         raise DeviceError(
-            "devices=[] names no device; expected at least one, e.g. ['cpu:0'] or, on a "
+            f"{name}=[] names no device; expected at least one, e.g. ['cpu:0'] or, on a "
             f"GPU machine, ['GPU:0']. Visible GPUs here: {visible_gpu_count()}."
         )
     for device in parsed:

@@ -100,6 +100,11 @@ def test_single_string_instead_of_list():
         aiodist.DeviceError, match=r"expected a list of device strings, e\.g\. \['cpu:1'\]"
     ):
         aiodist.MirroredStrategy("cpu:1")
+    with pytest.raises(
+        aiodist.DeviceError,
+        match=r"devices='cpu:0, cpu:1' is one string; .* e\.g\. \['cpu:0', 'cpu:1'\]\.",
+    ):
+        aiodist.MirroredStrategy("cpu:0, cpu:1")
 
 
 @pytest.mark.skipif(HAS_CUPY, reason="checks the message given when CuPy is not installed")
