@@ -27,8 +27,14 @@ the same sequence. The headers make any break of the rule an error instead of
 a deadlock: a worker calling something else at the same place is named
 (``CollectiveMismatchError``), a worker that never arrives — slow, stuck or
 dead — is named when ``timeout_seconds`` expires (``RendezvousTimeoutError``).
-After a timeout the cross-worker order is lost for good: every later
-cross-worker call raises at once, and when the program exits it ends the whole
+Each run that takes part is numbered, and a collective's header holds the run's
+number and its call number, so call #0 of run 1 never meets call #0 of run 2. A
+run that fails on one worker (a replica raises, or it is cancelled) sends a
+*failure header* in place of its next call: the other workers raise naming it at
+once (``ReplicaExitedError``), and the order is kept.
+After a timeout the cross-worker order is lost for good: the worker tells every
+peer (an abort message, whose arrival fails the peer's operations in flight),
+every later cross-worker call raises at once, and when the program exits it ends the whole
 job with ``MPI_Abort`` (a clean ``MPI_Finalize`` would wait for the lost worker
 forever). Note that ``mpiexec`` itself ends the job at once when a worker
 *process dies*; the timeout is what reports a worker that hangs, stops
@@ -69,6 +75,7 @@ from ._errors import (
     InvalidArgumentError,
     RendezvousError,
     RendezvousTimeoutError,
+    ReplicaExitedError,
 )
 from ._ops import ReduceOp
 
@@ -77,6 +84,8 @@ __all__ = ["World", "import_mpi"]
 _HEADER_BYTES = 4096
 _ABORT_GRACE_SECONDS = 1.0
 _HEADER_TAG = 7001
+_ABORT_TAG = 7002  # "this worker lost the order": every peer's operations fail at once
+_ABORT_BYTES = 4096
 _MPI_OPS = {
     ReduceOp.SUM: "SUM",
     ReduceOp.MEAN: "SUM",  # divided by the global replica count after
@@ -125,8 +134,18 @@ class _Progress:
 
     def __init__(self) -> None:
         self._work: queue.SimpleQueue = queue.SimpleQueue()
+        # The receives of the peers' abort messages (``watch``) and, once one came,
+        # (worker, its error's class name, its message): every request in flight
+        # then fails, and so does every later one.
+        self._watches: list = []
+        self.aborted: tuple[int, str, str] | None = None
         self._thread = threading.Thread(target=self._main, name="aiodist-mpi", daemon=True)
         self._thread.start()
+
+    def watch(self, start: Callable[[], list]) -> None:
+        """Post ``start()``'s receives (``(worker, request, buffer)`` each) on the
+        thread and test them while any work is in flight."""
+        self._work.put((start, None, None))
 
     def submit(self, start: Callable[[], list]) -> tuple[concurrent.futures.Future, list]:
         """Run ``start()`` (which posts MPI requests and returns them) on the thread;
@@ -147,13 +166,28 @@ class _Progress:
                 item = None
             if item is not None:
                 start, future, marks = item
+                if future is not None and self.aborted is not None:
+                    future.set_exception(_abort_error(self.aborted))
+                    item = None
+                    continue
                 try:
                     requests = start()
                 except BaseException as exc:  # e.g. an MPI error posting the requests
-                    future.set_exception(exc)
+                    if future is not None:
+                        future.set_exception(exc)
                 else:
-                    marks.extend([False] * len(requests))
-                    active.append((requests, future, marks))
+                    if future is None:  # watch()
+                        self._watches.extend(requests)
+                    else:
+                        marks.extend([False] * len(requests))
+                        active.append((requests, future, marks))
+            if self._watches and self.aborted is None:
+                self._test_watches()
+            if self.aborted is not None:
+                for _requests, future, _marks in active:
+                    if not future.done():
+                        future.set_exception(_abort_error(self.aborted))
+                active = []
             progressed = False
             for entry in list(active):
                 requests, future, marks = entry
@@ -162,12 +196,32 @@ class _Progress:
                         marks[i] = progressed = True
                 if all(marks):
                     active.remove(entry)
-                    future.set_result(None)
+                    if not future.done():
+                        future.set_result(None)
             if progressed or item is not None:
                 pause = 0.0
             elif active:
                 time.sleep(pause)
                 pause = _poll.next_pause(pause)
+
+    def _test_watches(self) -> None:
+        for worker, request, buffer in self._watches:
+            if request.Test():
+                kind, _, text = bytes(buffer).rstrip(b"\0").decode().partition(":")
+                self.aborted = (worker, kind, text)
+                return
+
+
+def _abort_error(aborted: tuple[int, str, str]) -> RendezvousError:
+    """The error a peer's abort message raises here: of the class the peer raised."""
+    worker, kind, text = aborted
+    cls = {c.__name__: c for c in (RendezvousTimeoutError, CollectiveMismatchError)}.get(
+        kind, RendezvousError
+    )
+    return cls(
+        f"worker {worker} lost the workers' order of operations, so every cross-worker "
+        f"operation stops: {text}"
+    )
 
 
 class _Posted(NamedTuple):
@@ -205,8 +259,18 @@ class World:
         self.order = 0  # cross-worker operations issued so far
         self.in_flight = 0  # asynchronous operations begun and not finished (operation())
         self.broken: RendezvousError | None = None
+        # Runs that took part in the order (a run's first cross-worker exchange, or
+        # its failure header, numbers it): its headers' keys hold that number.
+        self.runs = 0
+        # Exchanges that raised on every worker alike (a failure header, a mismatch):
+        # a run failing after one of them has nothing left to tell the others.
+        self.failures_seen = 0
+        self._told: list = []  # abort messages sent (their buffers)
+        self._pending: list[_Posted] = []  # failure headers in flight (tell_failure)
         self._progress = _Progress()
+        self.comm = None
         self.comm = self._private_comm(timeout)
+        self._watch_aborts()
         # Start-up: every worker says how many replicas of which kind it holds, or
         # why it could not build its strategy (``failure``): then every worker
         # raises, instead of the others waiting for it. A worker that never gets
@@ -277,12 +341,30 @@ class World:
             )
         return made[0]
 
+    def _watch_aborts(self) -> None:
+        """A receive from every peer for its abort message (``_break``)."""
+        comm, BYTE = self.comm, self.MPI.BYTE
+        peers = [w for w in range(self.size) if w != self.rank]
+
+        def start() -> list:
+            posted = []
+            for w in peers:
+                buffer = np.zeros(_ABORT_BYTES, np.uint8)
+                request = comm.Irecv([buffer, BYTE], source=w, tag=_ABORT_TAG)
+                posted.append((w, request, buffer))
+            return posted
+
+        self._progress.watch(start)
+
     def who(self, worker: int) -> str:
         if not self.counts:  # during start-up
             return f"worker {worker}"
         return f"worker {worker} ({_span(self.offsets[worker], self.counts[worker])})"
 
     def _usable(self) -> None:
+        aborted = self._progress.aborted
+        if aborted is not None and self.broken is None:
+            self._break(_abort_error(aborted), tell=False)
         if self.broken is not None:
             raise type(self.broken)(
                 f"a cross-worker operation failed earlier ({self.broken}); the workers' "
@@ -324,17 +406,25 @@ class World:
             self._lost(what, "was cancelled while waiting for the other workers")
             raise
         if done:
-            waiter.result()
+            self._result(waiter.result)
             return True
         return False
 
-    @staticmethod
-    def _wait_now(future: concurrent.futures.Future, timeout: float | None) -> bool:
+    def _wait_now(self, future: concurrent.futures.Future, timeout: float | None) -> bool:
         try:
-            future.result(timeout)
+            self._result(lambda: future.result(timeout))
         except concurrent.futures.TimeoutError:
             return False
         return True
+
+    def _result(self, result: Callable[[], Any]) -> None:
+        """``result()``; a peer's abort breaks this worker's order too."""
+        try:
+            result()
+        except RendezvousError as exc:
+            if self._progress.aborted is not None:
+                raise self._break(exc, tell=False) from None
+            raise
 
     # -- the header exchange -----------------------------------------------------------
 
@@ -376,6 +466,7 @@ class World:
     def _check(self, headers: list[dict], what: str) -> None:
         if len({(h["order"], h["key"]) for h in headers}) == 1:
             return
+        self.failures_seen += 1
         seen = "; ".join(
             f"{self.who(w)}: {h['what']} (cross-worker operation #{h['order']})"
             for w, h in enumerate(headers)
@@ -387,8 +478,10 @@ class World:
             "calls count in the same sequence)."
         )
 
-    def _break(self, error: RendezvousError) -> RendezvousError:
-        """Record that the cross-worker order is lost; at exit, abort the job.
+    def _break(self, error: RendezvousError, tell: bool = True) -> RendezvousError:
+        """Record that the cross-worker order is lost; tell every peer (``tell``),
+        whose operations in flight then fail at once instead of at their timeout;
+        at exit, abort the job.
 
         MPI cannot finish cleanly with a peer that died or stopped (``MPI_Finalize``
         would wait for it forever), so the process ends the job with
@@ -396,8 +489,22 @@ class World:
         """
         if self.broken is None:
             atexit.register(self._abort)
+            if tell and self.comm is not None and self._progress.aborted is None:
+                self._tell_abort(error)
         self.broken = error
         return error
+
+    def _tell_abort(self, error: RendezvousError) -> None:
+        text = f"{type(error).__name__}:{_short(str(error.args[0]), _ABORT_BYTES - 100)}"
+        send = np.zeros(_ABORT_BYTES, np.uint8)
+        data = text.encode()[: _ABORT_BYTES - 1]
+        send[: len(data)] = np.frombuffer(data, np.uint8)
+        comm, BYTE = self.comm, self.MPI.BYTE
+        peers = [w for w in range(self.size) if w != self.rank]
+        self._told.append(send)  # (kept alive until the job ends: the peer may be gone)
+        self._progress.submit(
+            lambda: [comm.Isend([send, BYTE], dest=w, tag=_ABORT_TAG) for w in peers]
+        )
 
     def _abort(self) -> None:
         sys.stdout.flush()
@@ -457,8 +564,29 @@ class World:
         if not arrived:
             self._missing(what, timeout, posted.peers, posted.marks)
         headers = self._headers(posted.mine, posted.received)
+        failed = [(w, h["failed"]) for w, h in enumerate(headers) if h.get("failed")]
+        if failed:
+            self.failures_seen += 1
+            raise ReplicaExitedError(
+                f"{what}: "
+                + "; ".join(f"{self.who(w)} will not join it: {text}" for w, text in failed)
+                + ". A run that fails on one worker fails on every worker (its next "
+                "cross-worker call raises this); the workers' order of operations is kept, "
+                "so the program may go on with its next run."
+            )
         self._check(headers, what)
         return headers
+
+    def tell_failure(self, text: str) -> None:
+        """This worker's run failed (``text`` says how): a *failure header* takes the
+        run's next place in the order, where the other workers wait for (or will
+        make) its next cross-worker call, and they raise naming this worker instead
+        of waiting for it until their timeout. Not waited for here: the peers'
+        headers for that place need no check."""
+        self._pending = [p for p in self._pending if not p.future.done()]
+        if self.broken is not None or self._progress.aborted is not None or self.size == 1:
+            return
+        self._pending.append(self._post_headers("a failed run", "failed", {"failed": text}))
 
     def _lost(self, what: str, how: str) -> None:
         self._break(
@@ -709,14 +837,23 @@ class _WorkerGroup(RunGroup):
         self._count_bytes(signature.name, payloads)
         return self._spawn(self._across_workers(number, signature, payloads))
 
+    def _replica_failed(self, rid: int, exc: BaseException) -> None:
+        if self._failure is None and not isinstance(exc, asyncio.CancelledError):
+            # (its global id: named in the failure header)
+            self.strategy._failed_replica = self.strategy._replica_offset + rid
+        super()._replica_failed(rid, exc)
+
     async def _across_workers(self, number: int, signature: Any, payloads: list) -> list:
         strategy = self.strategy
         world = strategy._world
         first = payloads[0]  # (template, arrays, op or axis, options)
         options = first[OPTIONS]
         timeout = options.timeout_seconds
-        what = f"{signature.text}, call #{number}"
-        key = repr((signature.name, signature.key))
+        # The run's number and the call's are in the key: a call can only ever meet
+        # the same call of the same run on the other workers.
+        run = strategy._run_key()
+        what = f"{signature.text}, call #{number} of run {run}"
+        key = repr((run, number, signature.name, signature.key))
         arrays = [payload[ARRAYS] for payload in payloads]
         if strategy._nccl is not None:  # GPU replicas: one NCCL call over every worker
             with world.operation():
@@ -894,6 +1031,10 @@ class MultiWorkerMirroredStrategy(Strategy):
             )
         self._extended = _MultiWorkerExtended(self, self._extended._cross_device_ops)
         self._locks: dict[Any, asyncio.Lock] = {}
+        # The run in flight (runs are serialised): its number (``_run_key``) and the
+        # replica whose exception failed it.
+        self._run_number: int | None = None
+        self._failed_replica: int | None = None
 
     def __repr__(self) -> str:
         devices = ", ".join(repr(str(d)) for d in self._devices)
@@ -926,7 +1067,33 @@ class MultiWorkerMirroredStrategy(Strategy):
             self._locks = {loop: asyncio.Lock()}  # strategies outlive loops
             lock = self._locks[loop]
         async with lock:
-            return await super().run(fn, args, kwargs, options)
+            world = self._world
+            seen = world.failures_seen
+            self._run_number = self._failed_replica = None
+            try:
+                return await super().run(fn, args, kwargs, options)
+            except BaseException as exc:
+                if world.failures_seen == seen:  # the others do not know yet
+                    world.tell_failure(self._failure_text(exc))
+                raise
+
+    def _run_key(self) -> int:
+        """The number of the run in flight among the runs that took part in the order
+        (numbered at its first cross-worker exchange)."""
+        if self._run_number is None:
+            self._world.runs += 1
+            self._run_number = self._world.runs
+        return self._run_number
+
+    def _failure_text(self, exc: BaseException) -> str:
+        run = self._run_key()
+        if isinstance(exc, asyncio.CancelledError):
+            how = "was cancelled"
+        else:
+            how = f"raised {type(exc).__name__}: {exc}"
+            if self._failed_replica is not None:
+                how = f"failed: replica {self._failed_replica} {how}"
+        return _short(f"its run {run} {how}", 1500)
 
     async def reduce(self, reduce_op: Any, value: Any, axis: Any = None) -> Any:
         """``Strategy.reduce`` over every worker's replicas; a NumPy array on every worker."""

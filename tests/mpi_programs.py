@@ -270,6 +270,55 @@ async def _failing(mode: str, strategy: aiodist.Strategy) -> None:
         _report(strategy, {"error": None})
 
 
+async def _fail_then_go_on(strategy: aiodist.Strategy) -> dict:
+    """Run 1 fails on worker 1 before its all_reduce (a replica raises; the program
+    catches it and goes on); run 2 is the same on every worker. Every worker's run
+    1 raises at once, naming worker 1, and run 2 pairs with run 2 everywhere."""
+    out = {}
+
+    async def step(k):
+        ctx = aiodist.get_replica_context()
+        if k == 1 and strategy.worker_index == 1 and ctx.replica_id_in_sync_group == 2:
+            raise ValueError("bad batch on worker 1")
+        return await ctx.all_reduce("sum", np.float64(100 * k + ctx.replica_id_in_sync_group))
+
+    for k in (1, 2):
+        started = time.monotonic()
+        try:
+            result = strategy.experimental_local_results(await strategy.run(step, args=(k,)))
+        except Exception as exc:
+            out[f"run{k}"] = {"error": type(exc).__name__, "message": str(exc)}
+        else:
+            out[f"run{k}"] = {"result": _plain(result)}
+        out[f"run{k}"]["after"] = time.monotonic() - started
+    return out
+
+
+async def _give_up_mid_operation(strategy: aiodist.Strategy) -> dict:
+    """Worker 1 cancels its run while its all_reduce waits for worker 0 (slow to
+    arrive): its order is lost, and worker 0, whose call would wait in the data
+    step for the timeout (30 s), fails at once instead."""
+    started = time.monotonic()
+
+    async def step():
+        if strategy.worker_index == 0:
+            await asyncio.sleep(1.0)
+        return await aiodist.get_replica_context().all_reduce("sum", 1.0)
+
+    try:
+        if strategy.worker_index == 1:
+            await asyncio.wait_for(strategy.run(step), 0.3)
+        else:
+            await strategy.run(step)
+    except (aiodist.AiodistError, TimeoutError) as exc:
+        return {
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "after": time.monotonic() - started,
+        }
+    return {"error": None}
+
+
 async def _inputs(strategy: aiodist.Strategy) -> dict:
     contexts = []
 
@@ -356,6 +405,9 @@ def _run(coro):
     return aiodist.run(coro)
 
 
+_BOUNDED = ("fail_then_go_on", "give_up")  # a 30 s timeout: failing at once shows
+
+
 def main() -> None:
     mode = sys.argv[1]
     counts = [int(c) for c in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1] * 8
@@ -363,8 +415,10 @@ def main() -> None:
         strategy = _strategy(counts, timeout=1.5)
         _run(_failing(mode, strategy))
         return
-    strategy = _strategy(counts)
+    strategy = _strategy(counts, timeout=30.0 if mode in _BOUNDED else None)
     work = {
+        "fail_then_go_on": _fail_then_go_on,
+        "give_up": _give_up_mid_operation,
         "compute": compute,
         "inputs": _inputs,
         "concurrent": _concurrent,

@@ -137,6 +137,41 @@ def test_an_unresponsive_worker_makes_the_others_fail_within_the_timeout(loop):
     assert rc != 0 and seconds < 30
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_run_failing_on_one_worker_fails_on_every_worker_and_the_next_run_pairs(loop):
+    """Worker 1's replica 2 raises before the all_reduce of run 1. Before, worker
+    0's run 1 paired with worker 1's run 2 (wrong sums, then a timeout); now every
+    worker's run 1 raises at once, naming worker 1 and its error, and run 2 is
+    right everywhere."""
+    rc, results, output, _ = _program(3, "fail_then_go_on", [2, 1, 1], loop=loop)
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == [0, 1, 2], output[-3000:]
+    for rank, result in results.items():
+        first, second = result["run1"], result["run2"]
+        if rank == 1:
+            assert first["error"] == "ValueError"
+        else:
+            assert first["error"] == "ReplicaExitedError", first
+            assert "call #0 of run 1" in first["message"]
+            assert "worker 1 (replica 2) will not join it" in first["message"]
+            assert "replica 2 raised ValueError: bad batch on worker 1" in first["message"]
+        assert first["after"] < 10  # not the 30 s timeout
+        expected = sum(200.0 + r for r in range(4))
+        assert second["result"] == [expected] * [2, 1, 1][rank], (rank, result)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_worker_that_gives_up_mid_operation_makes_the_others_fail_at_once(loop):
+    rc, results, output, _ = _program(2, "give_up", [1, 1], loop=loop)
+    assert sorted(results) == [0, 1], output[-3000:]
+    assert results[1]["error"] == "TimeoutError"  # asyncio.wait_for's
+    assert results[0]["error"] == "RendezvousError", results[0]
+    assert "worker 1 lost the workers' order of operations" in results[0]["message"]
+    assert "was cancelled while waiting for the other workers" in results[0]["message"]
+    assert results[0]["after"] < 10  # not the 30 s timeout
+    assert rc != 0  # the order is lost: the job ends with MPI_Abort
+
+
 def test_a_killed_worker_ends_the_job_instead_of_hanging():
     """mpiexec ends every worker as soon as one dies (SIGKILL mid-run)."""
     rc, results, output, seconds = _program(3, "kill", [1, 1, 1], timeout=60)
