@@ -612,7 +612,27 @@ class World:
         return finish()
 
     def _all_reduce_call(self, op: ReduceOp, buffer: np.ndarray, what: str) -> tuple:
-        """(``start``: posts the ``Iallreduce``, ``finish``: its result) for ``buffer``."""
+        """(``start``: posts the ``Iallreduce``, ``finish``: its result) for ``buffer``.
+
+        MIN and MAX of floats are not left to MPI: its MIN/MAX of NaN or of -0.0
+        and 0.0 depends on the operand order and differs from NumPy's (a NaN was
+        dropped on one worker and kept on another). Every worker's share is
+        gathered instead and folded with ``np.minimum``/``np.maximum`` in worker
+        order, which gives one process's result over the replicas in order."""
+        if op in (ReduceOp.MIN, ReduceOp.MAX) and buffer.dtype.kind == "f":
+            share = np.array(buffer, order="C", copy=None).reshape(-1)
+            every = np.empty((self.size, share.size), share.dtype)
+            BYTE = self.MPI.BYTE
+            raw, out = share.view(np.uint8), every.reshape(-1).view(np.uint8)
+
+            def fold() -> np.ndarray:
+                ufunc = np.minimum if op is ReduceOp.MIN else np.maximum
+                total = every[0].copy()
+                for row in every[1:]:
+                    ufunc(total, row, out=total)
+                return total.reshape(buffer.shape)
+
+            return lambda: self.comm.Iallgather([raw, BYTE], [out, BYTE]), fold
         send, restore = _travel(buffer, op, what)
         out = np.empty_like(send)
         mpi_op = getattr(self.MPI, _MPI_OPS[op])

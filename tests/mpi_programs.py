@@ -270,6 +270,36 @@ async def _failing(mode: str, strategy: aiodist.Strategy) -> None:
         _report(strategy, {"error": None})
 
 
+async def min_max(strategy: aiodist.Strategy) -> dict:
+    """MIN and MAX of floats holding NaN, -0.0 and 0.0 (a diverged loss, signed
+    zeros), in replicas and across them; as text, so the sign of a zero and a
+    NaN compare exactly. Run in one process too, to compare."""
+
+    def value(rid: int, dtype: type) -> np.ndarray:
+        return np.array([np.nan if rid == 0 else 1.0, -0.0 if rid % 2 else 0.0, rid], dtype)
+
+    async def step():
+        ctx = aiodist.get_replica_context()
+        rid = ctx.replica_id_in_sync_group
+        out = {}
+        for dtype in (np.float64, np.float32, np.float16):
+            for op in ("min", "max"):
+                out[f"{op} {dtype.__name__}"] = await ctx.all_reduce(op, value(rid, dtype))
+        out["max without nan"] = await ctx.all_reduce("max", value(rid, np.float64)[1:])
+        return {k: repr(v.tolist()) for k, v in out.items()}
+
+    results = strategy.experimental_local_results(await strategy.run(step))
+    with strategy.scope():
+        values = strategy.experimental_distribute_values_from_function(
+            lambda ctx: value(ctx.replica_id_in_sync_group, np.float64)
+        )
+        reduced = {op: await strategy.reduce(op, values, axis=None) for op in ("min", "max")}
+    return {
+        "in_replicas": results[0],
+        "reduce": {k: repr(v.tolist()) for k, v in reduced.items()},
+    }
+
+
 async def _fail_then_go_on(strategy: aiodist.Strategy) -> dict:
     """Run 1 fails on worker 1 before its all_reduce (a replica raises; the program
     catches it and goes on); run 2 is the same on every worker. Every worker's run
@@ -418,6 +448,7 @@ def main() -> None:
     strategy = _strategy(counts, timeout=30.0 if mode in _BOUNDED else None)
     work = {
         "fail_then_go_on": _fail_then_go_on,
+        "min_max": min_max,
         "give_up": _give_up_mid_operation,
         "compute": compute,
         "inputs": _inputs,

@@ -112,6 +112,23 @@ def _close(got, want) -> bool:
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("counts", [[1, 1], [2, 1, 1]], ids=["2x1", "3-uneven"])
+def test_min_and_max_of_nan_and_signed_zeros_equal_one_process_on_every_worker(counts, loop):
+    """MPI's MIN/MAX kept a NaN on one worker and dropped it on another; now every
+    worker's result is one process's np.minimum/np.maximum over the replicas."""
+    rc, results, output, _ = _program(len(counts), "min_max", counts, loop=loop)
+    assert rc == 0, output[-3000:]
+    from tests.mpi_programs import min_max
+
+    strategy = aiodist.MirroredStrategy([f"cpu:{i}" for i in range(sum(counts))])
+    expected = aiodist.run(min_max(strategy))
+    assert "nan" in expected["in_replicas"]["max float64"]
+    assert sorted(results) == list(range(len(counts)))
+    for result in results.values():
+        assert result == expected
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_mismatch_between_workers_is_named_on_every_worker(loop):
     _, results, output, _ = _program(3, "mismatch", [1, 1, 1], loop=loop)
     assert sorted(results) == [0, 1, 2], output[-3000:]
