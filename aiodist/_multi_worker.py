@@ -81,7 +81,6 @@ from ._ops import ReduceOp
 
 __all__ = ["World", "import_mpi"]
 
-_HEADER_BYTES = 4096
 _ABORT_GRACE_SECONDS = 1.0
 _HEADER_TAG = 7001
 _ABORT_TAG = 7002  # "this worker lost the order": every peer's operations fail at once
@@ -224,6 +223,33 @@ def _abort_error(aborted: tuple[int, str, str]) -> RendezvousError:
     )
 
 
+class _Receive:
+    """One peer's header, of any length: probed, then received at the length the
+    probe found (MPI cannot receive a message of unknown length otherwise). It
+    looks like a request to ``_Progress`` (``Test``). ``previous`` is the receive
+    posted before it from the same peer: this one probes only once that one has
+    matched, or its probe could take that one's message."""
+
+    def __init__(self, comm: Any, MPI: Any, source: int, previous: _Receive | None):
+        self._comm, self._MPI, self._source = comm, MPI, source
+        self._previous = previous
+        self._request: Any = None
+        self.buffer: np.ndarray | None = None
+
+    def Test(self) -> bool:  # (an MPI request's name: _Progress calls it)
+        if self._request is None:
+            if self._previous is not None and self._previous._request is None:
+                return False
+            status = self._MPI.Status()
+            message = self._comm.Improbe(self._source, _HEADER_TAG, status)
+            if message is None:
+                return False
+            self.buffer = np.empty(status.Get_count(self._MPI.BYTE), np.uint8)
+            self._request = message.Irecv([self.buffer, self._MPI.BYTE])
+            self._previous = None  # (no chain of receives kept alive)
+        return self._request.Test()
+
+
 class _Posted(NamedTuple):
     """One header exchange in flight: this worker's header, the peers' buffers, the
     future and per-request marks from ``_Progress``, and the send buffer (kept
@@ -268,6 +294,7 @@ class World:
         self._told: list = []  # abort messages sent (their buffers)
         self._pending: list[_Posted] = []  # failure headers in flight (tell_failure)
         self._progress = _Progress()
+        self._last_receive: dict[int, _Receive] = {}  # each peer's latest header receive
         self.comm = None
         self.comm = self._private_comm(timeout)
         self._watch_aborts()
@@ -433,34 +460,27 @@ class World:
         if len(key) > 512:  # long structures: their digest is what must agree
             key = hashlib.sha256(key.encode()).hexdigest()
         mine = {"order": self.order + 1, "what": _short(what, 2000), "key": key, **extra}
-        data = json.dumps(mine).encode()
-        if len(data) > _HEADER_BYTES:
-            # Before taking a place in the order: this worker's numbering stays right.
-            raise InvalidArgumentError(
-                f"{what}: too many values for one cross-worker call ({len(data)} bytes of "
-                "description); pass fewer leaves per call."
-            )
+        # Headers have any length (a long list's shapes): each is sent as it is, and
+        # received at the length a probe finds. No worker refuses a header another
+        # accepts (a fixed limit did, where shapes differ between workers).
+        send = np.frombuffer(json.dumps(mine).encode(), np.uint8)
         self.order += 1
-        send = np.zeros(_HEADER_BYTES, np.uint8)
-        send[: len(data)] = np.frombuffer(data, np.uint8)
         MPI, comm = self.MPI, self.comm
         peers = [w for w in range(self.size) if w != self.rank]
-        received = {w: np.zeros(_HEADER_BYTES, np.uint8) for w in peers}
+        received = {w: _Receive(comm, MPI, w, self._last_receive.get(w)) for w in peers}
+        self._last_receive.update(received)
 
         def start() -> list:  # receives first: marks[i] for i < len(peers) are theirs
-            receives = [
-                comm.Irecv([received[w], MPI.BYTE], source=w, tag=_HEADER_TAG) for w in peers
-            ]
             sends = [comm.Isend([send, MPI.BYTE], dest=w, tag=_HEADER_TAG) for w in peers]
-            return [*receives, *sends]
+            return [*received.values(), *sends]
 
         future, marks = self._progress.submit(start)
         return _Posted(mine, peers, received, future, marks, send)
 
     def _headers(self, mine: dict, received: dict) -> list[dict]:
         headers = {self.rank: mine}
-        for worker, buffer in received.items():
-            headers[worker] = json.loads(bytes(buffer).rstrip(b"\0"))
+        for worker, receive in received.items():
+            headers[worker] = json.loads(bytes(receive.buffer))
         return [headers[w] for w in range(self.size)]
 
     def _check(self, headers: list[dict], what: str) -> None:

@@ -300,6 +300,19 @@ async def min_max(strategy: aiodist.Strategy) -> dict:
     }
 
 
+async def _long_headers(strategy: aiodist.Strategy) -> list:
+    """An all_gather of 800 leaves whose lengths differ between workers (9 rows
+    on worker 0, 10 on the others): its header is longer on some workers."""
+
+    async def step():
+        rows = 9 if strategy.worker_index == 0 else 10
+        leaves = [np.full((rows,), strategy.worker_index, np.int8)] * 800
+        gathered = await aiodist.get_replica_context().all_gather(leaves, axis=0)
+        return [leaf.tolist() for leaf in gathered[::100]]
+
+    return strategy.experimental_local_results(await strategy.run(step))[0]
+
+
 async def _fail_then_go_on(strategy: aiodist.Strategy) -> dict:
     """Run 1 fails on worker 1 before its all_reduce (a replica raises; the program
     catches it and goes on); run 2 is the same on every worker. Every worker's run
@@ -435,7 +448,7 @@ def _run(coro):
     return aiodist.run(coro)
 
 
-_BOUNDED = ("fail_then_go_on", "give_up")  # a 30 s timeout: failing at once shows
+_BOUNDED = ("fail_then_go_on", "give_up", "long_headers")  # a 30 s timeout: failing at once shows
 
 
 def main() -> None:
@@ -448,6 +461,7 @@ def main() -> None:
     strategy = _strategy(counts, timeout=30.0 if mode in _BOUNDED else None)
     work = {
         "fail_then_go_on": _fail_then_go_on,
+        "long_headers": _long_headers,
         "min_max": min_max,
         "give_up": _give_up_mid_operation,
         "compute": compute,

@@ -129,6 +129,17 @@ def test_min_and_max_of_nan_and_signed_zeros_equal_one_process_on_every_worker(c
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_headers_of_different_lengths_on_each_worker_are_exchanged(loop):
+    """Before, a 4 KiB header limit refused the call on the workers whose shapes
+    took more digits, and the others waited for them until the timeout."""
+    rc, results, output, _ = _program(3, "long_headers", [1, 1, 1], loop=loop)
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == [0, 1, 2], output[-3000:]
+    for result in results.values():
+        assert result == [[0] * 9 + [1] * 10 + [2] * 10] * 8
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_mismatch_between_workers_is_named_on_every_worker(loop):
     _, results, output, _ = _program(3, "mismatch", [1, 1, 1], loop=loop)
     assert sorted(results) == [0, 1, 2], output[-3000:]
