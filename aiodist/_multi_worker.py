@@ -54,12 +54,16 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import contextvars
+import functools
 import hashlib
 import json
+import math
 import queue
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -85,6 +89,8 @@ _ABORT_GRACE_SECONDS = 1.0
 _HEADER_TAG = 7001
 _ABORT_TAG = 7002  # "this worker lost the order": every peer's operations fail at once
 _ABORT_BYTES = 4096
+_CLOSE = object()  # the work item that ends the progress thread
+_CLOSE_WAIT_SECONDS = 5.0
 _MPI_OPS = {
     ReduceOp.SUM: "SUM",
     ReduceOp.MEAN: "SUM",  # divided by the global replica count after
@@ -155,6 +161,12 @@ class _Progress:
         self._work.put((start, future, marks))
         return future, marks
 
+    def close(self, finish: Callable[[bool], None], wait: float) -> None:
+        """End the thread: it calls ``finish(idle)`` (``idle``: no request of its own
+        in flight) as its last step; wait for that for at most ``wait`` seconds."""
+        self._work.put((finish, _CLOSE, None))
+        self._thread.join(wait)
+
     def _main(self) -> None:
         active: list = []
         pause = 0.0
@@ -165,6 +177,9 @@ class _Progress:
                 item = None
             if item is not None:
                 start, future, marks = item
+                if future is _CLOSE:
+                    start(not active and self.aborted is None)
+                    return
                 if future is not None and self.aborted is not None:
                     future.set_exception(_abort_error(self.aborted))
                     item = None
@@ -209,6 +224,31 @@ class _Progress:
                 kind, _, text = bytes(buffer).rstrip(b"\0").decode().partition(":")
                 self.aborted = (worker, kind, text)
                 return
+
+
+_EMPTY_CONTEXT = contextvars.Context()
+
+
+def _release(pause: asyncio.Future, _: object = None) -> None:
+    if not pause.done():
+        pause.set_result(None)
+
+
+async def _until(loop: asyncio.AbstractEventLoop, waiter: asyncio.Future, when: float) -> None:
+    """Wait until ``waiter`` is done or the loop's clock reaches ``when``. The timer
+    and callback run in an empty context: the caller's (a replica's, holding its
+    run and strategy) would stay alive in the loop's heap of cancelled timers
+    until the deadline, and a dropped strategy with it."""
+    pause = loop.create_future()
+    wake = functools.partial(_release, pause)
+    timer = None if when == math.inf else loop.call_at(when, wake, context=_EMPTY_CONTEXT)
+    waiter.add_done_callback(wake, context=_EMPTY_CONTEXT)
+    try:
+        await pause
+    finally:
+        if timer is not None:
+            timer.cancel()
+        waiter.remove_done_callback(wake)
 
 
 def _abort_error(aborted: tuple[int, str, str]) -> RendezvousError:
@@ -293,6 +333,7 @@ class World:
         self.failures_seen = 0
         self._told: list = []  # abort messages sent (their buffers)
         self._pending: list[_Posted] = []  # failure headers in flight (tell_failure)
+        self.closed = False
         self._progress = _Progress()
         self._last_receive: dict[int, _Receive] = {}  # each peer's latest header receive
         self.comm = None
@@ -368,6 +409,26 @@ class World:
             )
         return made[0]
 
+    def close(self) -> None:
+        """End the communication thread and free the private communicator (unless
+        the order is lost: then MPI calls may block, and the job ends anyway).
+        Later cross-worker calls raise. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        watches = self._progress._watches
+        comm = self.comm
+
+        def finish(idle: bool) -> None:
+            if not idle or self.broken is not None or comm is None:
+                return
+            for _worker, request, _buffer in watches:  # the abort receives
+                request.Cancel()
+                request.Wait()
+            comm.Free()
+
+        self._progress.close(finish, 0 if self.broken is not None else _CLOSE_WAIT_SECONDS)
+
     def _watch_aborts(self) -> None:
         """A receive from every peer for its abort message (``_break``)."""
         comm, BYTE = self.comm, self.MPI.BYTE
@@ -389,6 +450,11 @@ class World:
         return f"worker {worker} ({_span(self.offsets[worker], self.counts[worker])})"
 
     def _usable(self) -> None:
+        if self.closed:
+            raise InvalidArgumentError(
+                "this MultiWorkerMirroredStrategy was closed (strategy.close()); build a "
+                "new one, at the same point on every worker, to make cross-worker calls."
+            )
         aborted = self._progress.aborted
         if aborted is not None and self.broken is None:
             self._break(_abort_error(aborted), tell=False)
@@ -426,13 +492,16 @@ class World:
         self, future: concurrent.futures.Future, what: str, timeout: float | None
     ) -> bool:
         """Whether ``future`` completed within ``timeout``; re-raises its error."""
-        waiter = asyncio.wrap_future(future)
+        loop = asyncio.get_running_loop()
+        waiter = asyncio.wrap_future(future, loop=loop)
+        deadline = math.inf if timeout is None else loop.time() + timeout
         try:
-            done, _ = await asyncio.wait([waiter], timeout=timeout)
+            while not waiter.done() and loop.time() < deadline:
+                await _until(loop, waiter, deadline)
         except asyncio.CancelledError:
             self._lost(what, "was cancelled while waiting for the other workers")
             raise
-        if done:
+        if waiter.done():
             self._result(waiter.result)
             return True
         return False
@@ -1075,6 +1144,16 @@ class MultiWorkerMirroredStrategy(Strategy):
         # replica whose exception failed it.
         self._run_number: int | None = None
         self._failed_replica: int | None = None
+        # The thread and communicator end with the strategy (close(), or once it is
+        # garbage, or at exit); the finalizer holds the world, never the strategy.
+        self._finalizer = weakref.finalize(self, world.close)
+
+    def close(self) -> None:
+        """End this worker's communication thread and free its private MPI
+        communicator. Call it on every worker when done with the strategy (it is
+        also done when the strategy is garbage, and at exit); later cross-worker
+        calls on it raise ``InvalidArgumentError``."""
+        self._finalizer()
 
     def __repr__(self) -> str:
         devices = ", ".join(repr(str(d)) for d in self._devices)

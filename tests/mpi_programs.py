@@ -313,6 +313,46 @@ async def _long_headers(strategy: aiodist.Strategy) -> list:
     return strategy.experimental_local_results(await strategy.run(step))[0]
 
 
+def _threads() -> int:
+    import threading
+
+    return sum(thread.name == "aiodist-mpi" for thread in threading.enumerate())
+
+
+async def _closing(strategy: aiodist.Strategy) -> dict:
+    """Strategies dropped (garbage) or closed end their communication thread; a
+    closed one refuses cross-worker calls."""
+    import gc
+
+    async def step():
+        return await aiodist.get_replica_context().all_reduce("sum", 1.0)
+
+    before = _threads()
+    for _ in range(5):
+        dropped = aiodist.MultiWorkerMirroredStrategy(1)
+        with dropped.scope():
+            await dropped.reduce("sum", np.ones(2), axis=None)  # a cross-worker call
+        # (Not a run: on asyncio, the local rendezvous's timeout timer keeps a run's
+        # strategy alive until that timeout, 300 s.)
+        del dropped
+    gc.collect()
+    after_dropping = _threads()
+    strategy.close()
+    strategy.close()  # twice is fine
+    try:
+        await strategy.run(step)
+    except aiodist.InvalidArgumentError as exc:
+        refused = str(exc)
+    else:
+        refused = None
+    return {
+        "before": before,
+        "after_dropping": after_dropping,
+        "after_closing": _threads(),
+        "refused": refused,
+    }
+
+
 async def _fail_then_go_on(strategy: aiodist.Strategy) -> dict:
     """Run 1 fails on worker 1 before its all_reduce (a replica raises; the program
     catches it and goes on); run 2 is the same on every worker. Every worker's run
@@ -461,6 +501,7 @@ def main() -> None:
     strategy = _strategy(counts, timeout=30.0 if mode in _BOUNDED else None)
     work = {
         "fail_then_go_on": _fail_then_go_on,
+        "closing": _closing,
         "long_headers": _long_headers,
         "min_max": min_max,
         "give_up": _give_up_mid_operation,

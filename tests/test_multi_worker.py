@@ -200,6 +200,18 @@ def test_a_worker_that_gives_up_mid_operation_makes_the_others_fail_at_once(loop
     assert rc != 0  # the order is lost: the job ends with MPI_Abort
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_dropped_or_closed_strategy_ends_its_communication_thread(loop):
+    """Before, every strategy left a thread and a communicator behind for good."""
+    rc, results, output, _ = _program(2, "closing", [1, 1], loop=loop)
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == [0, 1], output[-3000:]
+    for result in results.values():
+        assert result["before"] == result["after_dropping"] == 1, result
+        assert result["after_closing"] == 0
+        assert "was closed (strategy.close())" in result["refused"]
+
+
 def test_a_killed_worker_ends_the_job_instead_of_hanging():
     """mpiexec ends every worker as soon as one dies (SIGKILL mid-run)."""
     rc, results, output, seconds = _program(3, "kill", [1, 1, 1], timeout=60)
