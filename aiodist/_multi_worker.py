@@ -69,7 +69,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _poll
+from . import _poll, _stall
 from ._checks import options_or_default, whole_number
 from ._devices import HOST as _HOST
 from ._devices import Device
@@ -334,6 +334,7 @@ class World:
         self._told: list = []  # abort messages sent (their buffers)
         self._pending: list[_Posted] = []  # failure headers in flight (tell_failure)
         self.closed = False
+        self.stall_warning_seconds: float | None = None  # the strategy's, once it is built
         self._progress = _Progress()
         self._last_receive: dict[int, _Receive] = {}  # each peer's latest header receive
         self.comm = None
@@ -489,15 +490,29 @@ class World:
     # -- waiting (on the loop, or on a synchronous caller's thread) --------------------
 
     async def _wait(
-        self, future: concurrent.futures.Future, what: str, timeout: float | None
+        self,
+        future: concurrent.futures.Future,
+        what: str,
+        timeout: float | None,
+        missing: Callable[[], list[int]] | None = None,
     ) -> bool:
-        """Whether ``future`` completed within ``timeout``; re-raises its error."""
+        """Whether ``future`` completed within ``timeout``; re-raises its error.
+        ``missing()``: the workers not heard from yet (a header exchange's), for
+        stall reports; None in a data step, where every worker had arrived."""
         loop = asyncio.get_running_loop()
         waiter = asyncio.wrap_future(future, loop=loop)
-        deadline = math.inf if timeout is None else loop.time() + timeout
+        started = loop.time()
+        deadline = math.inf if timeout is None else started + timeout
+        # Stall reports (SPEC 11): after stall_warning_seconds, then at doubling
+        # intervals, as the local watchdog's; they never fail the call.
+        warn_after = self.stall_warning_seconds
         try:
             while not waiter.done() and loop.time() < deadline:
-                await _until(loop, waiter, deadline)
+                report = math.inf if warn_after is None else started + warn_after
+                await _until(loop, waiter, min(deadline, report))
+                if not waiter.done() and loop.time() >= report:
+                    _stall.logger.warning(self._stall_report(what, loop.time() - started, missing))
+                    warn_after *= 2
         except asyncio.CancelledError:
             self._lost(what, "was cancelled while waiting for the other workers")
             raise
@@ -505,6 +520,25 @@ class World:
             self._result(waiter.result)
             return True
         return False
+
+    def _stall_report(self, what: str, waited: float, missing: Any) -> str:
+        if missing is None:
+            where = (
+                f"every worker ({', '.join(self.who(w) for w in range(self.size))}) arrived; "
+                "the data step waits for the others' MPI calls"
+            )
+        else:
+            gone = missing()
+            here = [w for w in range(self.size) if w not in gone]
+            where = (
+                f"{', '.join(self.who(w) for w in here)} arrived, "
+                f"{', '.join(self.who(w) for w in gone) or 'no worker'} missing"
+            )
+        return (
+            f"{what} has waited {waited:.1f} s for the other workers: {where}. This is a "
+            "warning, not an error; set CommunicationOptions(timeout_seconds=...) to fail "
+            "sooner, or stall_warning_seconds=None to silence it."
+        )
 
     def _wait_now(self, future: concurrent.futures.Future, timeout: float | None) -> bool:
         try:
@@ -630,7 +664,11 @@ class World:
     async def agree(self, what: str, key: str, timeout: float | None, **extra: Any) -> list:
         """Every worker's header for the next cross-worker operation, once all agree."""
         posted = self._post_headers(what, key, extra)
-        arrived = await self._wait(posted.future, what, timeout)
+
+        def missing() -> list[int]:
+            return [w for i, w in enumerate(posted.peers) if not (posted.marks and posted.marks[i])]
+
+        arrived = await self._wait(posted.future, what, timeout, missing)
         return self._agreed(posted, arrived, what, timeout)
 
     def agree_now(self, what: str, key: str, timeout: float | None, **extra: Any) -> list:
@@ -1126,6 +1164,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             raise failure
         self._world = world
         self._replica_offset = world.offsets[world.rank]
+        world.stall_warning_seconds = options.stall_warning_seconds
         super().__init__(devices, ops, options)
         # This worker's ranks of the NCCL communicator over every worker's GPUs.
         self._nccl: list | None = None

@@ -353,6 +353,28 @@ async def _closing(strategy: aiodist.Strategy) -> dict:
     }
 
 
+async def _stall(strategy: aiodist.Strategy) -> list:
+    """Worker 1 arrives 1.6 s late at an all_reduce; stall_warning_seconds=0.5.
+    The warnings the aiodist logger gave on this worker."""
+    import logging
+
+    warnings = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+
+    logging.getLogger("aiodist").addHandler(Keep())
+
+    async def step():
+        if strategy.worker_index == 1:
+            await asyncio.sleep(1.6)
+        return await aiodist.get_replica_context().all_reduce("sum", 1.0)
+
+    await strategy.run(step)
+    return warnings
+
+
 async def _fail_then_go_on(strategy: aiodist.Strategy) -> dict:
     """Run 1 fails on worker 1 before its all_reduce (a replica raises; the program
     catches it and goes on); run 2 is the same on every worker. Every worker's run
@@ -498,9 +520,15 @@ def main() -> None:
         strategy = _strategy(counts, timeout=1.5)
         _run(_failing(mode, strategy))
         return
+    if mode == "stall":
+        options = aiodist.CommunicationOptions(timeout_seconds=30, stall_warning_seconds=0.5)
+        strategy = aiodist.MultiWorkerMirroredStrategy(1, communication_options=options)
+        _report(strategy, _run(_stall(strategy)))
+        return
     strategy = _strategy(counts, timeout=30.0 if mode in _BOUNDED else None)
     work = {
         "fail_then_go_on": _fail_then_go_on,
+        "stall": _stall,
         "closing": _closing,
         "long_headers": _long_headers,
         "min_max": min_max,

@@ -212,6 +212,24 @@ def test_a_dropped_or_closed_strategy_ends_its_communication_thread(loop):
         assert "was closed (strategy.close())" in result["refused"]
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_worker_waiting_for_the_others_reports_the_stall(loop):
+    """SPEC 11 across workers: the waiting worker warns at stall_warning_seconds
+    (0.5 s), then after doubling intervals, naming the collective, its call
+    number and the missing worker and replicas. Before, nothing was logged."""
+    rc, results, output, _ = _program(2, "stall", [1, 1], loop=loop)
+    assert rc == 0, output[-3000:]
+    assert results[1] == []
+    warnings = results[0]
+    assert 1 <= len(warnings) <= 3, warnings
+    assert warnings[0].startswith(
+        "all_reduce(SUM, float64[]), call #0 of run 1 has waited 0.5 s for the other "
+        "workers: worker 0 (replica 0) arrived, worker 1 (replica 1) missing."
+    ), warnings
+    if len(warnings) > 1:
+        assert "has waited 1.0 s" in warnings[1]
+
+
 def test_a_killed_worker_ends_the_job_instead_of_hanging():
     """mpiexec ends every worker as soon as one dies (SIGKILL mid-run)."""
     rc, results, output, seconds = _program(3, "kill", [1, 1, 1], timeout=60)
