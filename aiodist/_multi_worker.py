@@ -290,6 +290,23 @@ class _Receive:
         return self._request.Test()
 
 
+class _Turn:
+    """One asynchronous operation's place for its data step (``World.take_turn``):
+    its header's order number, and whether its turn has come."""
+
+    __slots__ = ("held", "ticket")
+
+    def __init__(self) -> None:
+        self.ticket: int | None = None
+        self.held = False
+
+
+# The operation the current task is making (each runs in its own task).
+_current_turn: contextvars.ContextVar[_Turn | None] = contextvars.ContextVar(
+    "aiodist_mpi_turn", default=None
+)
+
+
 class _Posted(NamedTuple):
     """One header exchange in flight: this worker's header, the peers' buffers, the
     future and per-request marks from ``_Progress``, and the send buffer (kept
@@ -324,6 +341,11 @@ class World:
         self.counts: list[int] = []  # known once every worker has said
         self.order = 0  # cross-worker operations issued so far
         self.in_flight = 0  # asynchronous operations begun and not finished (operation())
+        # The data steps' turns (take_turn): the order number whose turn it is, the
+        # numbers done out of turn, and the operations waiting for theirs.
+        self._next_turn = 1
+        self._released: set[int] = set()
+        self._turn_waiters: dict[int, asyncio.Future] = {}
         self.broken: RendezvousError | None = None
         # Runs that took part in the order (a run's first cross-worker exchange, or
         # its failure header, numbers it): its headers' keys hold that number.
@@ -469,12 +491,50 @@ class World:
     @contextlib.contextmanager
     def operation(self) -> Any:
         """Marks an asynchronous cross-worker operation (headers, then data) as in
-        flight, so that a synchronous one cannot start in the middle of it."""
+        flight, so that a synchronous one cannot start in the middle of it; and
+        gives it its turn for the data step (``take_turn``)."""
+        turn = _Turn()
+        token = _current_turn.set(turn)
         self.in_flight += 1
         try:
             yield
         finally:
             self.in_flight -= 1
+            _current_turn.reset(token)
+            if turn.ticket is not None:
+                self._release(turn.ticket)
+
+    async def take_turn(self, what: str) -> None:
+        """Wait until every operation before this one in the order (its header's
+        order number) has made its data step's MPI (or NCCL) calls and finished.
+        Operations overlap (a replica may start a collective and await it later,
+        or ``asyncio.gather`` two ``strategy.reduce``), and their headers may agree
+        in any order on each worker; MPI matches collectives by the order they are
+        issued in, so their data steps follow the order of their headers."""
+        turn = _current_turn.get()
+        if turn is None or turn.held or turn.ticket is None:
+            return
+        if self._next_turn != turn.ticket:
+            waiter = asyncio.get_running_loop().create_future()
+            self._turn_waiters[turn.ticket] = waiter
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                self._turn_waiters.pop(turn.ticket, None)
+                self._lost(what, "was cancelled while waiting for its turn to move its data")
+                raise
+        turn.held = True
+
+    def _release(self, ticket: int) -> None:
+        """Order number ``ticket`` has made its data step (or has none): the next
+        operation may make its own."""
+        self._released.add(ticket)
+        while self._next_turn in self._released:
+            self._released.discard(self._next_turn)
+            self._next_turn += 1
+        waiter = self._turn_waiters.pop(self._next_turn, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     @contextlib.contextmanager
     def issuing(self, what: str) -> Any:
@@ -668,6 +728,11 @@ class World:
         def missing() -> list[int]:
             return [w for i, w in enumerate(posted.peers) if not (posted.marks and posted.marks[i])]
 
+        turn = _current_turn.get()
+        if turn is not None and turn.ticket is None:
+            turn.ticket = posted.mine["order"]  # released when the operation ends
+        else:
+            self._release(posted.mine["order"])
         arrived = await self._wait(posted.future, what, timeout, missing)
         return self._agreed(posted, arrived, what, timeout)
 
@@ -684,6 +749,7 @@ class World:
                 "inside merge_fn, at the same point on every worker."
             )
         posted = self._post_headers(what, key, extra)
+        self._release(posted.mine["order"])  # nothing is in flight: its turn is now
         return self._agreed(posted, self._wait_now(posted.future, timeout), what, timeout)
 
     def _agreed(self, posted: _Posted, arrived: bool, what: str, timeout: float | None) -> list:
@@ -713,7 +779,9 @@ class World:
         self._pending = [p for p in self._pending if not p.future.done()]
         if self.broken is not None or self._progress.aborted is not None or self.size == 1:
             return
-        self._pending.append(self._post_headers("a failed run", "failed", {"failed": text}))
+        posted = self._post_headers("a failed run", "failed", {"failed": text})
+        self._release(posted.mine["order"])  # (no data step)
+        self._pending.append(posted)
 
     def _lost(self, what: str, how: str) -> None:
         self._break(
@@ -724,6 +792,7 @@ class World:
         )
 
     async def _data(self, start: Callable[[], Any], what: str, timeout: float | None) -> None:
+        await self.take_turn(what)
         future, _marks = self._progress.submit(lambda: [start()])
         if not await self._wait(future, what, timeout):
             self._stalled(what, timeout)
@@ -1040,6 +1109,7 @@ class _WorkerGroup(RunGroup):
             packs = self.strategy.extended._cross_device_ops.num_packs
             key = f"{key} packs={packs},{first[OPTIONS].bytes_per_pack}"
             await world.agree(what, key, timeout)
+            await world.take_turn(what)
             with world.issuing(what):
                 return _cuda.all_reduce(
                     first[OP],
@@ -1056,6 +1126,7 @@ class _WorkerGroup(RunGroup):
         lengths = [[leaves[i].shape[axis] for leaves in arrays] for i in range(len(arrays[0]))]
         headers = await world.agree(what, key, timeout, lengths=lengths)
         every = [[n for h in headers for n in h["lengths"][i]] for i in range(len(lengths))]
+        await world.take_turn(what)
         with world.issuing(what):
             return _cuda.all_gather(
                 arrays,

@@ -375,6 +375,41 @@ async def _stall(strategy: aiodist.Strategy) -> list:
     return warnings
 
 
+async def _overlapped(strategy: aiodist.Strategy) -> dict:
+    """Collectives in flight together, each of two dtypes (two MPI calls): two
+    all_reduces started before either is awaited, in a run; two batch_reduce_to
+    gathered in cross-replica context. Whether every result is right."""
+    n = strategy.num_replicas_in_sync
+    w = strategy.worker_index
+
+    async def step():
+        ctx = aiodist.get_replica_context()
+        first = ctx.all_reduce("sum", [np.full(1000, 1.0), np.full(3, 1, np.int32)])
+        second = ctx.all_reduce("sum", [np.full(7, 2.0), np.full(5, 2, np.int64)])
+        return await first, await second
+
+    in_run = True
+    for _ in range(20):
+        first, second = strategy.experimental_local_results(await strategy.run(step))[0]
+        expected = [n * 1.0, n * 1, n * 2.0, n * 2]
+        in_run &= all(bool(np.all(x == v)) for x, v in zip(first + second, expected, strict=True))
+    cross = True
+    workers = strategy.num_workers
+    with strategy.scope():
+        for _ in range(50):
+            a = [(np.full(1000, 1.0 + w), "cpu:0"), (np.full(3, 1 + w, np.int32), "cpu:0")]
+            b = [(np.full(7, 10.0 + w), "cpu:0"), (np.full(5, 10 + w, np.int64), "cpu:0")]
+            ra, rb = await asyncio.gather(
+                strategy.extended.batch_reduce_to("sum", a),
+                strategy.extended.batch_reduce_to("sum", b),
+            )
+            # Each worker's value counts once per local replica (one here).
+            expected = [sum(1.0 + i for i in range(workers)), sum(10.0 + i for i in range(workers))]
+            cross &= bool(np.all(ra[0] == expected[0]) and np.all(ra[1] == expected[0]))
+            cross &= bool(np.all(rb[0] == expected[1]) and np.all(rb[1] == expected[1]))
+    return {"in_run": in_run, "cross": cross}
+
+
 async def _fail_then_go_on(strategy: aiodist.Strategy) -> dict:
     """Run 1 fails on worker 1 before its all_reduce (a replica raises; the program
     catches it and goes on); run 2 is the same on every worker. Every worker's run
@@ -510,7 +545,12 @@ def _run(coro):
     return aiodist.run(coro)
 
 
-_BOUNDED = ("fail_then_go_on", "give_up", "long_headers")  # a 30 s timeout: failing at once shows
+_BOUNDED = (
+    "fail_then_go_on",
+    "give_up",
+    "long_headers",
+    "overlapped",
+)  # a 30 s timeout: failing at once shows
 
 
 def main() -> None:
@@ -528,6 +568,7 @@ def main() -> None:
     strategy = _strategy(counts, timeout=30.0 if mode in _BOUNDED else None)
     work = {
         "fail_then_go_on": _fail_then_go_on,
+        "overlapped": _overlapped,
         "stall": _stall,
         "closing": _closing,
         "long_headers": _long_headers,

@@ -140,6 +140,16 @@ def test_headers_of_different_lengths_on_each_worker_are_exchanged(loop):
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_overlapped_collectives_move_their_data_in_the_order_of_their_headers(loop):
+    """Before, each worker issued the MPI calls of overlapped collectives in the
+    order their headers happened to complete there: the calls of one met the
+    other's on another worker (wrong sums, or MPICH aborting the job)."""
+    rc, results, output, _ = _program(3, "overlapped", [1, 1, 1], loop=loop)
+    assert rc == 0, output[-3000:]
+    assert results == {rank: {"in_run": True, "cross": True} for rank in range(3)}
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_mismatch_between_workers_is_named_on_every_worker(loop):
     _, results, output, _ = _program(3, "mismatch", [1, 1, 1], loop=loop)
     assert sorted(results) == [0, 1, 2], output[-3000:]
