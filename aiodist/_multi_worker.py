@@ -950,7 +950,7 @@ def local_devices(devices_per_worker: Any) -> tuple[Device, ...]:
         count = whole_number(devices_per_worker, "devices_per_worker", 1)
         devices = tuple(Device("CPU", i) for i in range(count))
     else:
-        devices = _parse_devices(devices_per_worker)
+        devices = _parse_devices(devices_per_worker, "devices_per_worker")
     return devices
 
 
