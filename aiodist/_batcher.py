@@ -223,10 +223,11 @@ class Batcher:
         deadline = seconds(deadline, "stop: deadline", zero=True)
         self._accepting = False
         self._stop_requested = True
+        if self._stopping is not None:  # another stop() is draining: wait for it
+            await asyncio.shield(self._stopping)
+            return
         task = self._loop_task
         if task is None:
-            if self._stopping is not None:  # another stop() is draining: wait for it
-                await asyncio.shield(self._stopping)
             return
         self._stopping = stopping = asyncio.get_running_loop().create_future()
         assert self._wakeup is not None

@@ -587,6 +587,21 @@ async def test_start_during_stop_waits_for_it_then_serves(two):
     await batcher.stop()
 
 
+async def test_two_stops_at_once_both_wait_for_the_drain(two):
+    batcher, stuck = await _stuck_batch(two)
+    stops = [asyncio.create_task(batcher.stop(deadline=0.05)) for _ in range(2)]
+    await asyncio.sleep(0)
+    assert not any(stop.done() for stop in stops)  # the second waits for the first
+    await asyncio.gather(*stops)
+    with pytest.raises(NotServing):
+        await stuck
+    assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("aiodist-")]
+    batcher.step_fn = linear
+    await batcher.start()
+    np.testing.assert_array_equal(await batcher.submit(np.ones((1, 4))), np.ones((1, 4)) @ W)
+    await batcher.stop()
+
+
 async def test_a_restart_after_a_cancelled_stop_keeps_one_batch_in_flight():
     # A batch cancelled by stop() is still cleaning up when stop() is itself cancelled
     # and the batcher restarts; when that batch ends it must free its own slot, not
