@@ -165,7 +165,10 @@ class _Progress:
         """End the thread: it calls ``finish(idle)`` (``idle``: no request of its own
         in flight) as its last step; wait for that for at most ``wait`` seconds."""
         self._work.put((finish, _CLOSE, None))
-        self._thread.join(wait)
+        # The finalizer may run on this very thread (the cyclic garbage collector runs
+        # wherever an allocation triggers it): it can only leave the close queued.
+        if threading.current_thread() is not self._thread:
+            self._thread.join(wait)
 
     def _main(self) -> None:
         active: list = []

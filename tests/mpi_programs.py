@@ -353,6 +353,38 @@ async def _closing(strategy: aiodist.Strategy) -> dict:
     }
 
 
+async def _finalizer_on_thread(strategy: aiodist.Strategy) -> dict:
+    """A dropped strategy collected by the garbage collector on its own communication
+    thread (any allocation there may trigger a collection): its close must not join
+    that thread (before: RuntimeError: cannot join current thread)."""
+    import gc
+    import threading
+
+    dropped = aiodist.MultiWorkerMirroredStrategy(1)
+    progress = dropped._world._progress
+    errors = []
+    hook = threading.excepthook, sys.unraisablehook
+    sys.unraisablehook = lambda args: errors.append(repr(args.exc_value))
+    gc.disable()  # (the collection happens where this test chooses)
+    try:
+        del dropped
+        ran_on = []
+
+        def start():
+            ran_on.append(threading.current_thread().name)
+            gc.collect()
+            return []
+
+        future, _ = progress.submit(start)
+        future.result(10)
+        progress._thread.join(10)
+    finally:
+        gc.enable()
+        threading.excepthook, sys.unraisablehook = hook
+    strategy.close()
+    return {"ran_on": ran_on, "errors": errors, "alive": progress._thread.is_alive()}
+
+
 async def _stall(strategy: aiodist.Strategy) -> list:
     """Worker 1 arrives 1.6 s late at an all_reduce; stall_warning_seconds=0.5.
     The warnings the aiodist logger gave on this worker."""
@@ -571,6 +603,7 @@ def main() -> None:
         "overlapped": _overlapped,
         "stall": _stall,
         "closing": _closing,
+        "finalizer_on_thread": _finalizer_on_thread,
         "long_headers": _long_headers,
         "min_max": min_max,
         "give_up": _give_up_mid_operation,

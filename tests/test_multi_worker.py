@@ -223,6 +223,16 @@ def test_a_dropped_or_closed_strategy_ends_its_communication_thread(loop):
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_strategy_collected_on_its_own_communication_thread_closes_it(loop):
+    """Before, the finalizer joined the thread it ran on: RuntimeError."""
+    rc, results, output, _ = _program(2, "finalizer_on_thread", [1, 1], loop=loop)
+    assert rc == 0, output[-3000:]
+    assert "cannot join current thread" not in output
+    for result in results.values():
+        assert result == {"ran_on": ["aiodist-mpi"], "errors": [], "alive": False}
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_worker_waiting_for_the_others_reports_the_stall(loop):
     """SPEC 11 across workers: the waiting worker warns at stall_warning_seconds
     (0.5 s), then after doubling intervals, naming the collective, its call
