@@ -254,6 +254,24 @@ async def _until(loop: asyncio.AbstractEventLoop, waiter: asyncio.Future, when: 
         waiter.remove_done_callback(wake)
 
 
+def _fail_soon(waiter: asyncio.Future, error: Callable[[], BaseException]) -> None:
+    """Fail ``waiter`` (an asyncio future) with ``error()``, from any thread."""
+
+    def fail() -> None:
+        if not waiter.done():
+            waiter.set_exception(error())
+
+    loop = waiter.get_loop()
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        fail()
+    elif not loop.is_closed():
+        loop.call_soon_threadsafe(fail)
+
+
 def _abort_error(aborted: tuple[int, str, str]) -> RendezvousError:
     """The error a peer's abort message raises here: of the class the peer raised."""
     worker, kind, text = aborted
@@ -485,11 +503,15 @@ class World:
         if aborted is not None and self.broken is None:
             self._break(_abort_error(aborted), tell=False)
         if self.broken is not None:
-            raise type(self.broken)(
-                f"a cross-worker operation failed earlier ({self.broken}); the workers' "
-                "order of operations is lost, so no further cross-worker call can be "
-                "matched. Stop every worker and restart the job."
-            )
+            raise self._broken_error()
+
+    def _broken_error(self) -> RendezvousError:
+        assert self.broken is not None
+        return type(self.broken)(
+            f"a cross-worker operation failed earlier ({self.broken}); the workers' "
+            "order of operations is lost, so no further cross-worker call can be "
+            "matched. Stop every worker and restart the job."
+        )
 
     @contextlib.contextmanager
     def operation(self) -> Any:
@@ -527,6 +549,7 @@ class World:
                 self._lost(what, "was cancelled while waiting for its turn to move its data")
                 raise
         turn.held = True
+        self._usable()  # (the order may have been lost, or the strategy closed, meanwhile)
 
     def _release(self, ticket: int) -> None:
         """Order number ``ticket`` has made its data step (or has none): the next
@@ -678,6 +701,11 @@ class World:
             if tell and self.comm is not None and self._progress.aborted is None:
                 self._tell_abort(error)
         self.broken = error
+        # Operations queued for their data step's turn would each wait for the one
+        # before it, then its own timeout (N x timeout): they fail now.
+        waiters, self._turn_waiters = self._turn_waiters, {}
+        for waiter in waiters.values():
+            _fail_soon(waiter, lambda: self._broken_error())
         return error
 
     def _tell_abort(self, error: RendezvousError) -> None:
@@ -795,6 +823,7 @@ class World:
         )
 
     async def _data(self, start: Callable[[], Any], what: str, timeout: float | None) -> None:
+        self._usable()
         await self.take_turn(what)
         future, _marks = self._progress.submit(lambda: [start()])
         if not await self._wait(future, what, timeout):

@@ -491,6 +491,30 @@ async def _give_up_mid_operation(strategy: aiodist.Strategy) -> dict:
     return {"error": None}
 
 
+async def _queued_after_a_timeout(strategy: aiodist.Strategy) -> list:
+    """Four overlapped strategy.reduce; worker 1 sends its headers, then its loop is
+    blocked (6 s) before any data step. Worker 0's first data step times out (1.5 s)
+    and the order is lost: the three queued for their turn fail at once, not one
+    timeout after another."""
+    started = time.monotonic()
+
+    async def one(i):
+        try:
+            await strategy.reduce("sum", np.float64(i), axis=None)
+        except aiodist.AiodistError as exc:
+            return [type(exc).__name__, time.monotonic() - started]
+        return [None, time.monotonic() - started]
+
+    if strategy.worker_index == 0:
+        await asyncio.sleep(0.5)  # worker 1's headers wait for it
+        started = time.monotonic()
+        return list(await asyncio.gather(*(one(i) for i in range(4))))
+    tasks = [asyncio.ensure_future(one(i)) for i in range(4)]
+    await asyncio.sleep(0.1)  # every header sent
+    time.sleep(6)  # stuck before its data steps
+    return list(await asyncio.gather(*tasks))
+
+
 async def _inputs(strategy: aiodist.Strategy) -> dict:
     contexts = []
 
@@ -588,6 +612,10 @@ _BOUNDED = (
 def main() -> None:
     mode = sys.argv[1]
     counts = [int(c) for c in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1] * 8
+    if mode == "queued_after_a_timeout":
+        strategy = _strategy(counts, timeout=1.5)
+        _report(strategy, _run(_queued_after_a_timeout(strategy)))
+        return
     if mode in ("mismatch", "stop", "kill"):
         strategy = _strategy(counts, timeout=1.5)
         _run(_failing(mode, strategy))
@@ -603,6 +631,7 @@ def main() -> None:
         "overlapped": _overlapped,
         "stall": _stall,
         "closing": _closing,
+        "queued_after_a_timeout": _queued_after_a_timeout,
         "finalizer_on_thread": _finalizer_on_thread,
         "long_headers": _long_headers,
         "min_max": min_max,

@@ -211,6 +211,18 @@ def test_a_worker_that_gives_up_mid_operation_makes_the_others_fail_at_once(loop
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_operations_queued_for_their_turn_fail_at_once_when_the_order_is_lost(loop):
+    """Before, each of the operations queued behind one that timed out waited for
+    its own timeout in turn (1.5, 3.0, 4.5, 6.0 s)."""
+    rc, results, output, _ = _program(2, "queued_after_a_timeout", [1, 1], loop=loop)
+    assert 0 in results, output[-3000:]
+    errors = results[0]
+    assert [error for error, _ in errors] == ["RendezvousTimeoutError"] * 4, errors
+    assert max(after for _, after in errors) < 3.0, errors
+    assert rc != 0  # the order is lost: the job ends with MPI_Abort
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_dropped_or_closed_strategy_ends_its_communication_thread(loop):
     """Before, every strategy left a thread and a communicator behind for good."""
     rc, results, output, _ = _program(2, "closing", [1, 1], loop=loop)
