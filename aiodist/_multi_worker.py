@@ -182,6 +182,9 @@ class _Progress:
                 start, future, marks = item
                 if future is _CLOSE:
                     start(not active and self.aborted is None)
+                    for _requests, waiting, _marks in active:  # nothing completes them now
+                        if not waiting.done():
+                            waiting.set_exception(_closed_error())
                     return
                 if future is not None and self.aborted is not None:
                     future.set_exception(_abort_error(self.aborted))
@@ -252,6 +255,13 @@ async def _until(loop: asyncio.AbstractEventLoop, waiter: asyncio.Future, when: 
         if timer is not None:
             timer.cancel()
         waiter.remove_done_callback(wake)
+
+
+def _closed_error() -> InvalidArgumentError:
+    return InvalidArgumentError(
+        "this MultiWorkerMirroredStrategy was closed (strategy.close()); build a "
+        "new one, at the same point on every worker, to make cross-worker calls."
+    )
 
 
 def _fail_soon(waiter: asyncio.Future, error: Callable[[], BaseException]) -> None:
@@ -361,7 +371,8 @@ class World:
         self.size = MPI.COMM_WORLD.Get_size()
         self.counts: list[int] = []  # known once every worker has said
         self.order = 0  # cross-worker operations issued so far
-        self.in_flight = 0  # asynchronous operations begun and not finished (operation())
+        # Asynchronous operations begun and not finished (operation()): what each is.
+        self._operations: list[str] = []
         # The data steps' turns (take_turn): the order number whose turn it is, the
         # numbers done out of turn, and the operations waiting for theirs.
         self._next_turn = 1
@@ -453,13 +464,31 @@ class World:
             )
         return made[0]
 
+    def refuse_close(self, running: bool) -> None:
+        """``InvalidArgumentError`` if a cross-worker operation (or a run: ``running``)
+        of this worker is in flight: closing would leave it waiting until its
+        timeout, and the other workers waiting for its next step."""
+        if self.closed or not (self._operations or running):
+            return
+        busy = [*self._operations] or ["a strategy.run"]
+        raise InvalidArgumentError(
+            f"strategy.close() was called while {len(busy)} cross-worker operation(s) of "
+            f"this worker are in flight ({'; '.join(busy)}); the other workers wait for "
+            "their next steps. Await them (or cancel them) first, then close the "
+            "strategy on every worker."
+        )
+
     def close(self) -> None:
         """End the communication thread and free the private communicator (unless
         the order is lost: then MPI calls may block, and the job ends anyway).
-        Later cross-worker calls raise. Idempotent."""
+        Later cross-worker calls raise. Idempotent. Operations still in flight (a
+        dropped strategy's, or at exit) fail with the closed error."""
         if self.closed:
             return
         self.closed = True
+        waiters, self._turn_waiters = self._turn_waiters, {}
+        for waiter in waiters.values():
+            _fail_soon(waiter, _closed_error)
         watches = self._progress._watches
         comm = self.comm
 
@@ -495,10 +524,7 @@ class World:
 
     def _usable(self) -> None:
         if self.closed:
-            raise InvalidArgumentError(
-                "this MultiWorkerMirroredStrategy was closed (strategy.close()); build a "
-                "new one, at the same point on every worker, to make cross-worker calls."
-            )
+            raise _closed_error()
         aborted = self._progress.aborted
         if aborted is not None and self.broken is None:
             self._break(_abort_error(aborted), tell=False)
@@ -513,18 +539,22 @@ class World:
             "matched. Stop every worker and restart the job."
         )
 
+    @property
+    def in_flight(self) -> int:
+        return len(self._operations)
+
     @contextlib.contextmanager
-    def operation(self) -> Any:
+    def operation(self, what: str) -> Any:
         """Marks an asynchronous cross-worker operation (headers, then data) as in
-        flight, so that a synchronous one cannot start in the middle of it; and
-        gives it its turn for the data step (``take_turn``)."""
+        flight, so that a synchronous one (or ``close()``) cannot come in the middle
+        of it; and gives it its turn for the data step (``take_turn``)."""
         turn = _Turn()
         token = _current_turn.set(turn)
-        self.in_flight += 1
+        self._operations.append(what)
         try:
             yield
         finally:
-            self.in_flight -= 1
+            self._operations.remove(what)
             _current_turn.reset(token)
             if turn.ticket is not None:
                 self._release(turn.ticket)
@@ -894,7 +924,7 @@ class World:
 
     async def broadcast(self, array: np.ndarray, what: str, timeout: float | None) -> np.ndarray:
         """``broadcast_now`` without blocking the loop."""
-        with self.operation():
+        with self.operation(what):
             await self.agree(what, _broadcast_key(array), timeout)
             buffer, start = self._broadcast_call(array)
             await self._data(start, what, timeout)
@@ -1104,12 +1134,12 @@ class _WorkerGroup(RunGroup):
         key = repr((run, number, signature.name, signature.key))
         arrays = [payload[ARRAYS] for payload in payloads]
         if strategy._nccl is not None:  # GPU replicas: one NCCL call over every worker
-            with world.operation():
+            with world.operation(what):
                 out = await self._nccl_across(first, signature.name, arrays, what, key, timeout)
             return self._per_replica(payloads, out)
         ops = strategy.extended._cross_device_ops
         devices, streams = self.devices, self.streams
-        with world.operation():
+        with world.operation(what):
             if signature.name == "all_reduce":
                 # The packs decide how many MPI calls are made: they must agree too.
                 packs = f"{key} bytes_per_pack={options.bytes_per_pack}"
@@ -1294,7 +1324,9 @@ class MultiWorkerMirroredStrategy(Strategy):
         """End this worker's communication thread and free its private MPI
         communicator. Call it on every worker when done with the strategy (it is
         also done when the strategy is garbage, and at exit); later cross-worker
-        calls on it raise ``InvalidArgumentError``."""
+        calls on it raise ``InvalidArgumentError``. Refused (``InvalidArgumentError``,
+        naming them) while a run or cross-worker operation of it is in flight."""
+        self._world.refuse_close(any(lock.locked() for lock in self._locks.values()))
         self._finalizer()
 
     def __repr__(self) -> str:
@@ -1404,7 +1436,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             counts.append(count)
         what = f"{method}({op.name}, {', '.join(map(leaf_text, totals))})"
         key = repr((op.name, [(total.dtype.str, total.shape) for total in totals]))
-        with self._world.operation():
+        with self._world.operation(what):
             headers = await self._world.agree(what, key, timeout, counts=counts)
             totals = await _reduce_leaves(self._world, local_op, totals, what, timeout)
         if op is ReduceOp.MEAN:  # by the true element count of every worker's values
@@ -1421,7 +1453,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         what = f"strategy.gather(axis={axis}, {leaf_text(local)})"
         shape = list(local.shape)
         shape[axis] = -1
-        with self._world.operation():
+        with self._world.operation(what):
             headers = await self._world.agree(
                 what, repr((local.dtype.str, shape)), timeout, shapes=[list(local.shape)]
             )

@@ -515,6 +515,29 @@ async def _queued_after_a_timeout(strategy: aiodist.Strategy) -> list:
     return list(await asyncio.gather(*tasks))
 
 
+async def _close_in_flight(strategy: aiodist.Strategy) -> dict:
+    """Worker 0 calls close() while its strategy.reduce waits for worker 1 (1 s
+    late): refused at once, naming the reduce, which then completes; closing after
+    it works. Before, close() went ahead and the reduce waited until its timeout."""
+    started = time.monotonic()
+    if strategy.worker_index == 1:
+        await asyncio.sleep(1.0)
+        total = await strategy.reduce("sum", np.float64(1.0), axis=None)
+        strategy.close()
+        return {"result": float(total), "after": time.monotonic() - started}
+    task = asyncio.ensure_future(strategy.reduce("sum", np.float64(1.0), axis=None))
+    await asyncio.sleep(0.3)
+    try:
+        strategy.close()
+    except aiodist.InvalidArgumentError as exc:
+        refused = str(exc)
+    else:
+        refused = None
+    total = await task
+    strategy.close()
+    return {"refused": refused, "result": float(total), "after": time.monotonic() - started}
+
+
 async def _inputs(strategy: aiodist.Strategy) -> dict:
     contexts = []
 
@@ -602,6 +625,7 @@ def _run(coro):
 
 
 _BOUNDED = (
+    "close_in_flight",
     "fail_then_go_on",
     "give_up",
     "long_headers",
@@ -631,6 +655,7 @@ def main() -> None:
         "overlapped": _overlapped,
         "stall": _stall,
         "closing": _closing,
+        "close_in_flight": _close_in_flight,
         "queued_after_a_timeout": _queued_after_a_timeout,
         "finalizer_on_thread": _finalizer_on_thread,
         "long_headers": _long_headers,

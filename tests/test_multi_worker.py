@@ -223,6 +223,22 @@ def test_operations_queued_for_their_turn_fail_at_once_when_the_order_is_lost(lo
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_closing_while_an_operation_is_in_flight_is_refused_naming_it(loop):
+    """Before, close() went ahead: the reduce in flight waited until its timeout
+    (30 s here), and the job ended with MPI_Abort."""
+    rc, results, output, _ = _program(2, "close_in_flight", [1, 1], loop=loop)
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == [0, 1], output[-3000:]
+    refused = results[0]["refused"]
+    assert refused.startswith(
+        "strategy.close() was called while 1 cross-worker operation(s) of this worker "
+        "are in flight (strategy.reduce(SUM, float64[]));"
+    ), refused
+    for result in results.values():
+        assert result["result"] == 2.0 and result["after"] < 10, result
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_dropped_or_closed_strategy_ends_its_communication_thread(loop):
     """Before, every strategy left a thread and a communicator behind for good."""
     rc, results, output, _ = _program(2, "closing", [1, 1], loop=loop)
