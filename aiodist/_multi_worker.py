@@ -332,6 +332,22 @@ class _Turn:
         self.held = False
 
 
+class _Run:
+    """One ``strategy.run`` in flight: its number among the runs that took part in
+    the order, once it has one (``World.run_key``)."""
+
+    __slots__ = ("number",)
+
+    def __init__(self) -> None:
+        self.number: int | None = None
+
+
+# The run the current task belongs to (its replicas' and collectives' tasks inherit it
+# from strategy.run; a cross-replica call made beside a run, in another task, does not).
+_current_run: contextvars.ContextVar[_Run | None] = contextvars.ContextVar(
+    "aiodist_mpi_run", default=None
+)
+
 # The operation the current task is making (each runs in its own task).
 _current_turn: contextvars.ContextVar[_Turn | None] = contextvars.ContextVar(
     "aiodist_mpi_turn", default=None
@@ -380,11 +396,20 @@ class World:
         self._turn_waiters: dict[int, asyncio.Future] = {}
         self.broken: RendezvousError | None = None
         # Runs that took part in the order (a run's first cross-worker exchange, or
-        # its failure header, numbers it): its headers' keys hold that number.
+        # its failure header, numbers it): its headers hold that number. A failure
+        # header of a run numbered further than this worker's count moves the count on,
+        # so every worker numbers the next run alike.
         self.runs = 0
-        # Exchanges that raised on every worker alike (a failure header, a mismatch):
-        # a run failing after one of them has nothing left to tell the others.
-        self.failures_seen = 0
+        # Runs known failed on every worker (a failure header sent or received, a
+        # mismatch every worker saw): such a run has nothing left to tell, and a
+        # header of it that a peer sent is stale (see _agreed).
+        self.failed_runs: set[int] = set()
+        # After a run failed, stale headers may follow (see _agreed): until one
+        # exchange completes without one (``_probe``, done when it ends), exchanges
+        # are posted one at a time, so each one found stale is made again before
+        # the next is posted, and no later one meets the place it should have had.
+        self._recovering = False
+        self._probe: asyncio.Future | None = None
         self._told: list = []  # abort messages sent (their buffers)
         self._pending: list[_Posted] = []  # failure headers in flight (tell_failure)
         self.closed = False
@@ -517,6 +542,18 @@ class World:
 
         self._progress.watch(start)
 
+    def _run_failed(self, run: int | None) -> None:
+        if run is not None and run not in self.failed_runs:
+            self.failed_runs.add(run)
+            self._recovering = True
+
+    def run_key(self, run: _Run) -> int:
+        """``run``'s number, numbering it now if it has none."""
+        if run.number is None:
+            self.runs += 1
+            run.number = self.runs
+        return run.number
+
     def who(self, worker: int) -> str:
         if not self.counts:  # during start-up
             return f"worker {worker}"
@@ -611,6 +648,7 @@ class World:
         what: str,
         timeout: float | None,
         missing: Callable[[], list[int]] | None = None,
+        cancelled: Callable[[str], None] | None = None,
     ) -> bool:
         """Whether ``future`` completed within ``timeout``; re-raises its error.
         ``missing()``: the workers not heard from yet (a header exchange's), for
@@ -630,7 +668,10 @@ class World:
                     _stall.logger.warning(self._stall_report(what, loop.time() - started, missing))
                     warn_after *= 2
         except asyncio.CancelledError:
-            self._lost(what, "was cancelled while waiting for the other workers")
+            if cancelled is not None:
+                cancelled(what)
+            else:
+                self._lost(what, "was cancelled while waiting for the other workers")
             raise
         if waiter.done():
             self._result(waiter.result)
@@ -674,11 +715,14 @@ class World:
 
     # -- the header exchange -----------------------------------------------------------
 
-    def _post_headers(self, what: str, key: str, extra: dict) -> _Posted:
+    def _post_headers(self, what: str, key: str, extra: dict, run: int | None = None) -> _Posted:
         self._usable()
         if len(key) > 512:  # long structures: their digest is what must agree
             key = hashlib.sha256(key.encode()).hexdigest()
-        mine = {"order": self.order + 1, "what": _short(what, 2000), "key": key, **extra}
+        if run is None and (current := _current_run.get()) is not None:
+            run = self.run_key(current)
+        mine = {"order": self.order + 1, "what": _short(what, 2000), "key": key, "run": run}
+        mine.update(extra)
         # Headers have any length (a long list's shapes): each is sent as it is, and
         # received at the length a probe finds. No worker refuses a header another
         # accepts (a fixed limit did, where shapes differ between workers).
@@ -705,7 +749,7 @@ class World:
     def _check(self, headers: list[dict], what: str) -> None:
         if len({(h["order"], h["key"]) for h in headers}) == 1:
             return
-        self.failures_seen += 1
+        self._run_failed(headers[self.rank]["run"])  # (every worker sees this mismatch)
         seen = "; ".join(
             f"{self.who(w)}: {h['what']} (cross-worker operation #{h['order']})"
             for w, h in enumerate(headers)
@@ -783,19 +827,64 @@ class World:
         )
 
     async def agree(self, what: str, key: str, timeout: float | None, **extra: Any) -> list:
-        """Every worker's header for the next cross-worker operation, once all agree."""
-        posted = self._post_headers(what, key, extra)
-
-        def missing() -> list[int]:
-            return [w for i, w in enumerate(posted.peers) if not (posted.marks and posted.marks[i])]
-
+        """Every worker's header for the next cross-worker operation, once all agree.
+        Where a peer's header at that place was stale (of a run that failed), the
+        exchange is made again at the next place."""
         turn = _current_turn.get()
-        if turn is not None and turn.ticket is None:
-            turn.ticket = posted.mine["order"]  # released when the operation ends
+        current = _current_run.get()
+        if current is not None and current.number in self.failed_runs:
+            # (a header of it would only be stale for the others)
+            raise ReplicaExitedError(
+                f"{what}: its run {current.number} already failed on every worker (see "
+                "that run's first error), so this call of it is not made."
+            )
+        while self._probe is not None:  # one exchange at a time after a failed run
+            await asyncio.shield(self._probe)
+        probe = None
+        if self._recovering:
+            probe = self._probe = asyncio.get_running_loop().create_future()
+        try:
+            return await self._agree(what, key, timeout, extra, turn)
+        finally:
+            if probe is not None:
+                self._probe = None
+                probe.set_result(None)
+
+    async def _agree(
+        self, what: str, key: str, timeout: float | None, extra: dict, turn: _Turn | None
+    ) -> list:
+        while True:
+            posted = self._post_headers(what, key, extra)
+            order = posted.mine["order"]
+            if turn is not None and turn.ticket is None:
+                turn.ticket = order  # released when the operation ends
+            else:
+                self._release(order)
+
+            def missing(posted: _Posted = posted) -> list[int]:
+                marks = posted.marks
+                return [w for i, w in enumerate(posted.peers) if not (marks and marks[i])]
+
+            arrived = await self._wait(
+                posted.future, what, timeout, missing, functools.partial(self._given_up, posted)
+            )
+            headers = self._agreed(posted, arrived, what, timeout)
+            if headers is not None:
+                return headers
+            if turn is not None and turn.ticket == order:  # (no data step at this place)
+                turn.ticket = None
+                self._release(order)
+
+    def _given_up(self, posted: _Posted, what: str) -> None:
+        """``posted``'s wait was cancelled. If its run already failed on every worker,
+        each of them takes this place as stale (``_agreed``): the exchange is left to
+        complete on the thread, and the order is kept. Otherwise the others may have
+        matched it and wait for its data step: the order is lost."""
+        run = posted.mine["run"]
+        if run is not None and run in self.failed_runs:
+            self._pending.append(posted)
         else:
-            self._release(posted.mine["order"])
-        arrived = await self._wait(posted.future, what, timeout, missing)
-        return self._agreed(posted, arrived, what, timeout)
+            self._lost(what, "was cancelled while waiting for the other workers")
 
     def agree_now(self, what: str, key: str, timeout: float | None, **extra: Any) -> list:
         """``agree`` for synchronous code (creating a variable, reading a sync-on-read
@@ -809,18 +898,56 @@ class World:
                 "strategy.reduce or gather not yet finished). Make it between them, or "
                 "inside merge_fn, at the same point on every worker."
             )
-        posted = self._post_headers(what, key, extra)
-        self._release(posted.mine["order"])  # nothing is in flight: its turn is now
-        return self._agreed(posted, self._wait_now(posted.future, timeout), what, timeout)
+        while True:
+            posted = self._post_headers(what, key, extra)
+            self._release(posted.mine["order"])  # nothing is in flight: its turn is now
+            arrived = self._wait_now(posted.future, timeout)
+            headers = self._agreed(posted, arrived, what, timeout)
+            if headers is not None:
+                return headers
 
-    def _agreed(self, posted: _Posted, arrived: bool, what: str, timeout: float | None) -> list:
-        """Every worker's header, after checking they all came and agree."""
+    def _agreed(
+        self, posted: _Posted, arrived: bool, what: str, timeout: float | None
+    ) -> list | None:
+        """Every worker's header, after checking they all came and agree; None where
+        this place was stale for this worker (the caller exchanges again).
+
+        A run that failed (``failed_runs``) leaves headers behind on the others: its
+        failure header, which takes the run's next place and is never read back by
+        its sender, and the headers of its exchanges that were in flight, which
+        their senders give up. Every worker sees the same headers at a place, and
+        every worker knows the run failed (it sent, or saw, its failure header or
+        mismatch), so all classify them alike:
+
+        - a failure header for this worker's run in flight (or a run it never
+          numbered) fails that run: ``ReplicaExitedError``, naming the worker;
+        - a failure header for a run this worker already finished, or any header
+          of a failed run that is not this worker's, is stale: the place is
+          consumed, and the exchange is made again at the next one, so the run
+          numbers and places of every worker stay paired;
+        - an exchange of this worker's own failed run raises, whatever it met.
+        """
         if not arrived:
             self._missing(what, timeout, posted.peers, posted.marks)
         headers = self._headers(posted.mine, posted.received)
-        failed = [(w, h["failed"]) for w, h in enumerate(headers) if h.get("failed")]
+        run = posted.mine["run"]
+        dead = run is not None and run in self.failed_runs
+        failed, stale = [], False
+        for worker, header in enumerate(headers):
+            if worker == self.rank:
+                continue
+            theirs = header.get("run")
+            if header.get("failed"):
+                self._run_failed(theirs)
+                self.runs = max(self.runs, theirs)  # (it numbered a run this one did not)
+                if run is not None and theirs >= run:
+                    failed.append((worker, header["failed"]))
+                else:
+                    stale = True
+            elif theirs is not None and theirs != run and theirs in self.failed_runs:
+                stale = True
         if failed:
-            self.failures_seen += 1
+            self._run_failed(run)
             raise ReplicaExitedError(
                 f"{what}: "
                 + "; ".join(f"{self.who(w)} will not join it: {text}" for w, text in failed)
@@ -828,19 +955,32 @@ class World:
                 "cross-worker call raises this); the workers' order of operations is kept, "
                 "so the program may go on with its next run."
             )
+        if dead:
+            raise ReplicaExitedError(
+                f"{what}: its run {run} already failed on every worker (see that run's "
+                "first error), so this call of it is given up; the workers' order of "
+                "operations is kept."
+            )
+        if stale:
+            return None
+        self._recovering = False  # (no stale header follows a place without one)
         self._check(headers, what)
         return headers
 
-    def tell_failure(self, text: str) -> None:
-        """This worker's run failed (``text`` says how): a *failure header* takes the
-        run's next place in the order, where the other workers wait for (or will
-        make) its next cross-worker call, and they raise naming this worker instead
-        of waiting for it until their timeout. Not waited for here: the peers'
-        headers for that place need no check."""
+    def tell_failure(self, run: int, text: str) -> None:
+        """This worker's run number ``run`` failed (``text`` says how): a *failure
+        header* takes the run's next place in the order, where the other workers
+        wait for (or will make) its next cross-worker call, and they raise naming
+        this worker instead of waiting for it until their timeout (or, where they
+        had finished that run, take the place as stale). Not waited for here: the
+        peers' headers for that place need no check."""
         self._pending = [p for p in self._pending if not p.future.done()]
+        self._run_failed(run)
         if self.broken is not None or self._progress.aborted is not None or self.size == 1:
             return
-        posted = self._post_headers("a failed run", "failed", {"failed": text})
+        if self.closed:
+            return  # (the run's own error is raised, not the closed one)
+        posted = self._post_headers("a failed run", "failed", {"failed": text}, run)
         self._release(posted.mine["order"])  # (no data step)
         self._pending.append(posted)
 
@@ -1129,7 +1269,7 @@ class _WorkerGroup(RunGroup):
         timeout = options.timeout_seconds
         # The run's number and the call's are in the key: a call can only ever meet
         # the same call of the same run on the other workers.
-        run = strategy._run_key()
+        run = world.run_key(_current_run.get() or _Run())  # (strategy.run sets it)
         what = f"{signature.text}, call #{number} of run {run}"
         key = repr((run, number, signature.name, signature.key))
         arrays = [payload[ARRAYS] for payload in payloads]
@@ -1312,9 +1452,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             )
         self._extended = _MultiWorkerExtended(self, self._extended._cross_device_ops)
         self._locks: dict[Any, asyncio.Lock] = {}
-        # The run in flight (runs are serialised): its number (``_run_key``) and the
-        # replica whose exception failed it.
-        self._run_number: int | None = None
+        # The replica whose exception failed the run in flight (runs are serialised).
         self._failed_replica: int | None = None
         # The thread and communicator end with the strategy (close(), or once it is
         # garbage, or at exit); the finalizer holds the world, never the strategy.
@@ -1361,25 +1499,20 @@ class MultiWorkerMirroredStrategy(Strategy):
             lock = self._locks[loop]
         async with lock:
             world = self._world
-            seen = world.failures_seen
-            self._run_number = self._failed_replica = None
+            run = _Run()  # numbered at its first cross-worker exchange (World.run_key)
+            token = _current_run.set(run)
+            self._failed_replica = None
             try:
                 return await super().run(fn, args, kwargs, options)
             except BaseException as exc:
-                if world.failures_seen == seen:  # the others do not know yet
-                    world.tell_failure(self._failure_text(exc))
+                number = world.run_key(run)
+                if number not in world.failed_runs:  # the others do not know yet
+                    world.tell_failure(number, self._failure_text(number, exc))
                 raise
+            finally:
+                _current_run.reset(token)
 
-    def _run_key(self) -> int:
-        """The number of the run in flight among the runs that took part in the order
-        (numbered at its first cross-worker exchange)."""
-        if self._run_number is None:
-            self._world.runs += 1
-            self._run_number = self._world.runs
-        return self._run_number
-
-    def _failure_text(self, exc: BaseException) -> str:
-        run = self._run_key()
+    def _failure_text(self, run: int, exc: BaseException) -> str:
         if isinstance(exc, asyncio.CancelledError):
             how = "was cancelled"
         else:

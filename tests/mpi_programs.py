@@ -466,6 +466,42 @@ async def _fail_then_go_on(strategy: aiodist.Strategy) -> dict:
     return out
 
 
+async def _failures_keep_the_order(strategy: aiodist.Strategy) -> dict:
+    """Runs failing on one worker in different places; the program catches each
+    error and goes on. Run 1 fails on worker 0 after its last collective; run 2 on
+    worker 1 before any, while the others have two collectives in flight; run 4
+    on worker 2 before its collective. Every other run, and a strategy.reduce
+    after them, must pair on every worker. Before, run 1's failure header was
+    taken by the others' run 2 and the run numbers drifted for good; run 2's
+    second collective, cancelled, lost the whole order."""
+    w = strategy.worker_index
+    out = {}
+
+    async def step(k):
+        ctx = aiodist.get_replica_context()
+        if (k, w) in ((2, 1), (4, 2)):
+            raise ValueError(f"bad batch {k} on worker {w}")
+        first = ctx.all_reduce("sum", np.float64(k))
+        second = ctx.all_reduce("sum", np.float64(10 * k))
+        total = await first + await second
+        if (k, w) == (1, 0):
+            raise ValueError("bad result on worker 0")
+        return total
+
+    for k in range(1, 6):
+        started = time.monotonic()
+        try:
+            result = strategy.experimental_local_results(await strategy.run(step, args=(k,)))
+        except Exception as exc:
+            out[f"run{k}"] = [type(exc).__name__, str(exc)]
+        else:
+            out[f"run{k}"] = _plain(result)
+        out[f"after{k}"] = time.monotonic() - started
+    out["reduce"] = float(await strategy.reduce("sum", np.float64(w), axis=None))
+    out["runs"] = strategy._world.runs
+    return out
+
+
 async def _give_up_mid_operation(strategy: aiodist.Strategy) -> dict:
     """Worker 1 cancels its run while its all_reduce waits for worker 0 (slow to
     arrive): its order is lost, and worker 0, whose call would wait in the data
@@ -625,6 +661,7 @@ def _run(coro):
 
 
 _BOUNDED = (
+    "failures_keep_the_order",
     "close_in_flight",
     "fail_then_go_on",
     "give_up",
@@ -652,6 +689,7 @@ def main() -> None:
     strategy = _strategy(counts, timeout=30.0 if mode in _BOUNDED else None)
     work = {
         "fail_then_go_on": _fail_then_go_on,
+        "failures_keep_the_order": _failures_keep_the_order,
         "overlapped": _overlapped,
         "stall": _stall,
         "closing": _closing,

@@ -199,6 +199,34 @@ def test_a_run_failing_on_one_worker_fails_on_every_worker_and_the_next_run_pair
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_failed_runs_never_make_the_workers_order_drift(loop):
+    """Before, a run failing on worker 0 after its last collective made the others'
+    next run raise and every later run mismatch (run numbers drifted); and a failure
+    while the others had two collectives in flight lost the order of the whole job."""
+    rc, results, output, _ = _program(3, "failures_keep_the_order", [1, 1, 1], loop=loop)
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == [0, 1, 2], output[-3000:]
+    for rank, result in results.items():
+        assert result["run1"] == (["ValueError", "bad result on worker 0"] if rank == 0 else [33.0])
+        for k, failer in ((2, 1), (4, 2)):
+            name, message = result[f"run{k}"]
+            if rank == failer:
+                assert name == "ValueError", result
+            elif (k, rank) == (2, 0):
+                # Worker 0's failure header for run 1 took the place where the others
+                # learned of run 2's failure (it never reads that place back): its
+                # run 2 then meets their run 3, a mismatch; the order is kept.
+                assert name == "CollectiveMismatchError", result
+                assert "call #0 of run 2" in message and "call #0 of run 3" in message
+            else:
+                assert name == "ReplicaExitedError", result
+                assert f"worker {failer} (replica {failer}) will not join it" in message
+        assert result["run3"] == [99.0] and result["run5"] == [165.0], result
+        assert result["reduce"] == 3.0 and result["runs"] == 5, result
+        assert max(result[f"after{k}"] for k in range(1, 6)) < 10, result
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_worker_that_gives_up_mid_operation_makes_the_others_fail_at_once(loop):
     rc, results, output, _ = _program(2, "give_up", [1, 1], loop=loop)
     assert sorted(results) == [0, 1], output[-3000:]
