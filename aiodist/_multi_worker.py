@@ -433,9 +433,21 @@ class World:
             gpus=list(gpus),
         )
         self.counts = [int(h["replicas"]) for h in headers]
-        failed = [(w, h["failure"]) for w, h in enumerate(headers) if h["failure"]]
         if failure is not None:
-            return  # the caller raises its own error
+            return  # the caller raises its own error (and closes this)
+        try:
+            self._check_start(headers)
+        except DeviceError:  # refused on every worker: its thread and communicator end
+            self.close()
+            raise
+        self.offsets = [sum(self.counts[:w]) for w in range(self.size)]
+        self.total = sum(self.counts)
+
+    @staticmethod
+    def _check_start(headers: list[dict]) -> None:
+        """Refuse (``DeviceError``) what every worker's start-up header says cannot
+        work together, on every worker alike."""
+        failed = [(w, h["failure"]) for w, h in enumerate(headers) if h["failure"]]
         if failed:
             raise DeviceError(
                 "MultiWorkerMirroredStrategy could not start: "
@@ -463,8 +475,6 @@ class World:
                 + "); give every worker GPUs of its own, for example "
                 "devices_per_worker=[f'GPU:{local_rank}']."
             )
-        self.offsets = [sum(self.counts[:w]) for w in range(self.size)]
-        self.total = sum(self.counts)
 
     def _private_comm(self, timeout: float | None) -> Any:
         """A duplicate of ``COMM_WORLD``, so our messages never meet the program's
@@ -1433,30 +1443,34 @@ class MultiWorkerMirroredStrategy(Strategy):
         kind = devices[0].kind if devices else "CPU"
         text = None if failure is None else _short(f"{type(failure).__name__}: {failure}", 1500)
         world = World(len(devices), kind, options.timeout_seconds, text, gpus)
-        if failure is not None:
-            raise failure
-        self._world = world
-        self._replica_offset = world.offsets[world.rank]
-        world.stall_warning_seconds = options.stall_warning_seconds
-        super().__init__(devices, ops, options)
-        # This worker's ranks of the NCCL communicator over every worker's GPUs.
-        self._nccl: list | None = None
-        if gpu:
-            timeout = options.timeout_seconds
-            uid = world.nccl_unique_id(timeout)
-            indices = tuple(d.index for d in devices)
-            self._nccl = world.bounded(
-                lambda: _cuda.world_communicators(uid, world.total, self._replica_offset, indices),
-                "creating the NCCL communicator over every worker's GPUs",
-                timeout,
-            )
-        self._extended = _MultiWorkerExtended(self, self._extended._cross_device_ops)
-        self._locks: dict[Any, asyncio.Lock] = {}
-        # The replica whose exception failed the run in flight (runs are serialised).
-        self._failed_replica: int | None = None
-        # The thread and communicator end with the strategy (close(), or once it is
-        # garbage, or at exit); the finalizer holds the world, never the strategy.
-        self._finalizer = weakref.finalize(self, world.close)
+        try:
+            if failure is not None:
+                raise failure
+            self._world = world
+            self._replica_offset = world.offsets[world.rank]
+            world.stall_warning_seconds = options.stall_warning_seconds
+            super().__init__(devices, ops, options)
+            # This worker's ranks of the NCCL communicator over every worker's GPUs.
+            self._nccl: list | None = None
+            if gpu:
+                timeout = options.timeout_seconds
+                uid = world.nccl_unique_id(timeout)
+                indices, first = tuple(d.index for d in devices), self._replica_offset
+                self._nccl = world.bounded(
+                    lambda: _cuda.world_communicators(uid, world.total, first, indices),
+                    "creating the NCCL communicator over every worker's GPUs",
+                    timeout,
+                )
+            self._extended = _MultiWorkerExtended(self, self._extended._cross_device_ops)
+            self._locks: dict[Any, asyncio.Lock] = {}
+            # The replica whose exception failed the run in flight (runs are serialised).
+            self._failed_replica: int | None = None
+            # The thread and communicator end with the strategy (close(), or once it is
+            # garbage, or at exit); the finalizer holds the world, never the strategy.
+            self._finalizer = weakref.finalize(self, world.close)
+        except BaseException:  # its thread and communicator: nothing else ends them
+            world.close()
+            raise
 
     def close(self) -> None:
         """End this worker's communication thread and free its private MPI

@@ -479,6 +479,25 @@ def test_a_worker_that_cannot_build_its_strategy_stops_every_worker():
         assert "CuPy is not installed" in output
 
 
+def test_a_strategy_that_fails_to_start_leaves_no_communication_thread():
+    """Worker 1 cannot build its strategy (a GPU without CuPy, or, on a GPU machine,
+    a mix of kinds): both raise, and neither keeps the strategy's thread."""
+    program = (
+        "import os, threading, aiodist\n"
+        "rank = int(os.environ['PMI_RANK'])\n"
+        "try:\n"
+        "    aiodist.MultiWorkerMirroredStrategy(['cpu:0'] if rank == 0 else ['GPU:0'])\n"
+        "except Exception as exc:\n"
+        "    print('refused', type(exc).__name__)\n"
+        "alive = [t for t in threading.enumerate() if t.name == 'aiodist-mpi']\n"
+        "print('threads', len(alive))\n"
+    )
+    rc, _, output, seconds = _launch(2, "-c", program)
+    assert rc == 0 and seconds < 30, output[-3000:]
+    assert output.count("refused DeviceError") == 2, output[-3000:]
+    assert output.count("threads 0") == 2, output[-3000:]
+
+
 def test_a_worker_that_never_builds_its_strategy_is_named_at_start_up():
     program = (
         "import os, time, aiodist\n"
