@@ -777,31 +777,44 @@ class RunGroup:
         self, tracer: Tracer, number: int, signature: Signature, payloads: list
     ) -> Any:
         start = tracer.now()
-        result = self._execute_now(number, signature, payloads)
         label = f"{signature.name} #{number}"
+        try:
+            result = self._execute_now(number, signature, payloads)
+        except BaseException as exc:  # (a sync merge_fn that raised: its span all the same)
+            self._trace_collective(
+                tracer, number, label, start, outcome=f"raised {type(exc).__name__}"
+            )
+            raise
 
         def done(_: object = None) -> None:
-            end = tracer.now()
-            # Each replica's wait ends here, not when its callback runs (later, if the
-            # loop is busy); its wait span is written by that callback (_trace_arrival).
-            if self._completions is None:
-                self._completions = {}
-            self._completions[number] = [tracer, end, self.num_replicas]
-            tracer.span(
-                label,
-                "collective",
-                cross_replica_track(self._lane),
-                start,
-                end,
-                run=self._run_id,
-                replicas=self.num_replicas,
-            )
+            self._trace_collective(tracer, number, label, start)
 
         if isinstance(result, asyncio.Future) and not result.done():
             result.add_done_callback(done)
         else:  # (a done future: an eager merge task, delivered at once)
             done()
         return result
+
+    def _trace_collective(
+        self, tracer: Tracer, number: int, label: str, start: float, **extra: Any
+    ) -> None:
+        """Write collective ``number``'s cross-replica span, from ``start`` to now."""
+        end = tracer.now()
+        # Each replica's wait ends here, not when its callback runs (later, if the
+        # loop is busy); its wait span is written by that callback (_trace_arrival).
+        if self._completions is None:
+            self._completions = {}
+        self._completions[number] = [tracer, end, self.num_replicas]
+        tracer.span(
+            label,
+            "collective",
+            cross_replica_track(self._lane),
+            start,
+            end,
+            run=self._run_id,
+            replicas=self.num_replicas,
+            **extra,
+        )
 
     def _execute_now(self, number: int, signature: Signature, payloads: list) -> Any:
         if self._on_host:  # no streams to order

@@ -177,13 +177,20 @@ async def assert_same_on_replicas(
             reference, reference_count = answer, count
             continue
         leaves, expected = _nest.flatten(answer), _nest.flatten(reference)
-        if len(leaves) != len(expected):
+        if len(leaves) != len(expected) or _nest.skeleton(answer) != _nest.skeleton(reference):
             raise AssertionError(
-                f"{count} replicas gave {len(leaves)} values, {reference_count} gave "
-                f"{len(expected)}: the step's result structure depends on the replica count."
+                f"{count} replicas gave {_describe(answer)}, {reference_count} gave "
+                f"{_describe(reference)}: the step's result structure depends on the "
+                "replica count."
             )
         for index, (got, want) in enumerate(zip(leaves, expected, strict=True)):
             dtype = np.asarray(want).dtype
+            if np.shape(got) != np.shape(want):  # (assert_allclose would broadcast them)
+                raise AssertionError(
+                    f"value {index} of the step's result has shape {np.shape(got)} on "
+                    f"{count} replicas but {np.shape(want)} on {reference_count}: its shape "
+                    "depends on the replica count."
+                )
             np.testing.assert_allclose(
                 np.asarray(got),
                 np.asarray(want),
@@ -195,6 +202,11 @@ async def assert_same_on_replicas(
                 ),
             )
     return reference
+
+
+def _describe(value: Any) -> str:
+    """A result's structure, for a message: its nesting, keys and leaf count."""
+    return f"{_nest.skeleton(value)!r} ({len(_nest.flatten(value))} values)"
 
 
 def _magnitude(batch: Any) -> float:

@@ -364,6 +364,24 @@ def _validate(document: dict) -> list[dict]:
     return events
 
 
+async def test_a_sync_merge_fn_that_raises_has_its_cross_replica_span(tmp_path, two):
+    def bad_merge(strategy):
+        raise LookupError("boom")
+
+    async def step():
+        return await aiodist.get_replica_context().merge_call(bad_merge)
+
+    path = tmp_path / "trace.json"
+    with aiodist.trace(path):
+        with pytest.raises(LookupError, match="boom"):
+            await two.run(step)
+    events = _validate(json.loads(path.read_text()))
+    [span] = [e for e in events if e["ph"] == "X" and e["name"] == "merge_call #0"]
+    assert span["args"]["outcome"] == "raised LookupError"
+    waits = [e for e in events if e["ph"] == "X" and e["name"] == "wait merge_call #0"]
+    assert len(waits) == 2
+
+
 async def test_trace_file_has_tracks_and_events_per_replica(tmp_path):
     strategy = aiodist.MirroredStrategy(cpu_devices(3))
 

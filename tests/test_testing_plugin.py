@@ -156,6 +156,27 @@ async def test_assert_same_on_replicas_combine_modes():
         await assert_same_on_replicas(wrong_shape, batch)
 
 
+async def test_assert_same_on_replicas_compares_shapes_and_structures():
+    batch = np.arange(8.0).reshape(4, 2)
+
+    async def per_replica_totals(rows):  # () on one replica, (n,) on n
+        ctx = aiodist.get_replica_context()
+        total = await ctx.all_reduce("sum", rows.sum())
+        n = ctx.num_replicas_in_sync
+        return total if n == 1 else np.full(n, total)
+
+    with pytest.raises(AssertionError, match=r"shape \(2,\) on 2 replicas but \(\) on 1"):
+        await assert_same_on_replicas(per_replica_totals, batch, combine="first")
+
+    async def renamed(rows):  # the same value under another key
+        ctx = aiodist.get_replica_context()
+        total = await ctx.all_reduce("sum", rows.sum())
+        return {"loss": total} if ctx.num_replicas_in_sync == 1 else {"grad": total}
+
+    with pytest.raises(AssertionError, match=r"'grad'.*'loss'.*structure depends on the replica"):
+        await assert_same_on_replicas(renamed, batch, combine="first")
+
+
 async def test_default_tolerance_follows_the_dtype():
     rng = np.random.default_rng(3)
     batch = rng.uniform(0, 1000, size=(64, 8)).astype(np.float32)
