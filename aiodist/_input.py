@@ -296,7 +296,7 @@ class _Pipeline:
             while True:
                 await self._free.acquire()
                 tracer = _trace.active
-                start = tracer.now() if tracer is not None else 0.0
+                start, lane = (tracer.now(), tracer.take_input_lane()) if tracer else (0.0, 0)
                 try:
                     more, element = await self._fetch()
                 except Exception as exc:
@@ -306,8 +306,12 @@ class _Pipeline:
                     if not isinstance(exc, asyncio.CancelledError) or not self.task.cancelling():
                         self._push(("error", exc))
                     raise
+                finally:
+                    if tracer is not None:  # (the end taken before the lane is free)
+                        end = tracer.now()
+                        tracer.free_input_lane(lane)
                 if tracer is not None:
-                    tracer.span("prefetch", "input", _trace.INPUT_TRACK, start, tracer.now())
+                    tracer.span("prefetch", "input", _trace.input_track(lane), start, end)
                 if not more:
                     self._push(("end", None))
                     return

@@ -448,7 +448,7 @@ class RunGroup:
         arrived = tracer.now()
         number = rendezvous._next_number[replica_id]
         label = f"{signature.name} #{number}"
-        track = replica_track(replica_id, self._lane)
+        track = replica_track(replica_id, self._lane_in(tracer))
         tracer.instant(f"arrive {label}", "rendezvous", track, arrived, run=self._run_id)
 
         def waited(future: asyncio.Future) -> None:
@@ -463,11 +463,15 @@ class RunGroup:
                     del self._completions[number]
                 if completion[0] is target and not future.cancelled():
                     end = completion[1]
-            start = arrived if target is tracer else target.rebased(arrived, tracer)
+            if target is tracer:
+                start, where = arrived, track
+            else:  # on the run's tracks in that trace
+                start = target.rebased(arrived, tracer)
+                where = replica_track(replica_id, self._lane_in(target))
             # Not future.exception(): that would mark a failure retrieved, and hide it
             # from asyncio's "never retrieved" report for a call nobody awaited.
             extra = {"outcome": "cancelled"} if future.cancelled() else {}
-            target.span(f"wait {label}", "rendezvous", track, start, end, **extra)
+            target.span(f"wait {label}", "rendezvous", where, start, end, **extra)
 
         return waited
 
@@ -696,6 +700,18 @@ class RunGroup:
             self._lane_tracer.free_lane(self._lane)
             self._lane_tracer = None
 
+    def _lane_in(self, tracer: Tracer) -> int:
+        """This run's lane in ``tracer``'s trace: the one it took as it started, or,
+        for a run begun before that trace (untraced, or in one that has stopped since),
+        one taken now, with a run number of that trace (freed by run(), as the first):
+        its spans never share the tracks of a run that started in the trace. (Not once
+        the run has ended: a late span keeps its last lane, which nothing would free.)"""
+        if self._lane_tracer is not tracer and not self._finished:
+            self._free_lane()  # (the stopped trace's, if any)
+            self._run_id = tracer.next_run()
+            self._lane, self._lane_tracer = tracer.take_lane(), tracer
+        return self._lane
+
     def _replica_failed(self, rid: int, exc: BaseException) -> None:
         """Replica ``rid``'s function raised ``exc`` or was cancelled: record the run's
         failure, tell the rendezvous, and let the run finish (it waits for every task
@@ -778,6 +794,7 @@ class RunGroup:
     ) -> Any:
         start = tracer.now()
         label = f"{signature.name} #{number}"
+        self._lane_in(tracer)
         try:
             result = self._execute_now(number, signature, payloads)
         except BaseException as exc:  # (a sync merge_fn that raised: its span all the same)

@@ -29,6 +29,7 @@ __all__ = [
     "INPUT_TRACK",
     "Tracer",
     "cross_replica_track",
+    "input_track",
     "replica_track",
     "trace",
 ]
@@ -53,6 +54,12 @@ def cross_replica_track(lane: int = 0) -> int:
     return lane * LANE_STRIDE + CROSS_REPLICA_TRACK
 
 
+def input_track(lane: int = 0) -> int:
+    """The track of input prefetches in lane ``lane`` (datasets prefetching at once
+    each hold a lane of their own while they fetch: see Tracer.take_input_lane)."""
+    return lane * LANE_STRIDE + INPUT_TRACK
+
+
 class Tracer:
     """Collects trace events in memory; ``write`` saves them."""
 
@@ -65,6 +72,7 @@ class Tracer:
         self._lock = threading.Lock()  # prefetch threads may record too
         self._runs = 0
         self._lanes: set[int] = set()  # held by runs in flight
+        self._input_lanes: set[int] = set()  # held by prefetches in flight
 
     def now(self) -> float:
         """Microseconds since the trace started."""
@@ -90,14 +98,29 @@ class Tracer:
     def free_lane(self, lane: int) -> None:
         self._lanes.discard(lane)
 
+    def take_input_lane(self) -> int:
+        """The lowest input lane no prefetch in flight holds: prefetches overlapping in
+        time (several datasets) get tracks of their own, so their spans never overlap
+        on one."""
+        with self._lock:  # (prefetches may run on several loops' threads)
+            lane = 0
+            while lane in self._input_lanes:
+                lane += 1
+            self._input_lanes.add(lane)
+            return lane
+
+    def free_input_lane(self, lane: int) -> None:
+        with self._lock:
+            self._input_lanes.discard(lane)
+
     def _track(self, track: int) -> None:
         if track in self._tracks:
             return
         self._tracks.add(track)
         lane, slot = divmod(track, LANE_STRIDE)
         sort = track
-        if track == INPUT_TRACK:
-            name, sort = "input", _INPUT_SORT
+        if slot == INPUT_TRACK:
+            name, sort = "input", _INPUT_SORT + lane
         elif slot == CROSS_REPLICA_TRACK:
             name, sort = "cross-replica", lane * LANE_STRIDE
         else:

@@ -364,6 +364,73 @@ def _validate(document: dict) -> list[dict]:
     return events
 
 
+@pytest.mark.parametrize("before", ["another trace", "no trace"])
+async def test_a_run_begun_before_the_trace_gets_tracks_of_its_own(tmp_path, two, before):
+    # Run X starts (in an earlier trace, or untraced) and waits; trace B starts, and
+    # run Y starts in it; X's collective completes while Y runs. X must not write on
+    # Y's tracks (lane 0 of B): spans on one track must nest.
+    go, y_arrived = asyncio.Event(), asyncio.Event()
+
+    async def slow_step():
+        ctx = aiodist.get_replica_context()
+        if rid() == 1:
+            await go.wait()
+        return await ctx.all_reduce("sum", 1.0)
+
+    async def fast_step():
+        ctx = aiodist.get_replica_context()
+        pending = ctx.all_reduce("sum", 1.0)
+        y_arrived.set()
+        await asyncio.sleep(0.01)
+        return await pending
+
+    if before == "another trace":
+        with aiodist.trace(tmp_path / "a.json"):
+            x = asyncio.create_task(two.run(slow_step))
+            await asyncio.sleep(0.005)
+    else:
+        x = asyncio.create_task(two.run(slow_step))
+        await asyncio.sleep(0.005)
+    with aiodist.trace(tmp_path / "b.json"):
+        y = asyncio.create_task(two.run(fast_step))
+        await y_arrived.wait()
+        go.set()  # X's all-reduce completes while Y is in flight
+        await asyncio.gather(x, y)
+    events = _validate(json.loads((tmp_path / "b.json").read_text()))
+    collectives = [e for e in events if e["ph"] == "X" and e["cat"] == "collective"]
+    assert len(collectives) == 2 and len({e["tid"] for e in collectives}) == 2
+    assert len({e["args"]["run"] for e in collectives}) == 2
+    assert not two.statistics().runs_in_flight
+    # Lanes were given back: a later run takes lane 0 again.
+    with aiodist.trace(tmp_path / "c.json"):
+        await two.run(fast_step)
+    later = _validate(json.loads((tmp_path / "c.json").read_text()))
+    assert {e["tid"] for e in later if e["ph"] == "X" and e["cat"] == "collective"} == {100_000}
+
+
+async def test_datasets_prefetching_at_once_get_input_tracks_of_their_own(tmp_path, two):
+    async def source(delay):
+        for _ in range(3):
+            await asyncio.sleep(delay)
+            yield np.ones(4)
+
+    async def consume(dataset):
+        return [batch async for batch in dataset]
+
+    path = tmp_path / "trace.json"
+    with aiodist.trace(path):
+        await asyncio.gather(
+            consume(two.experimental_distribute_dataset(source(0.010))),
+            consume(two.experimental_distribute_dataset(source(0.015))),
+        )
+    events = _validate(json.loads(path.read_text()))  # no overlap on one track
+    prefetches = [e for e in events if e["ph"] == "X" and e["name"] == "prefetch"]
+    assert len(prefetches) == 8  # 3 elements and the end, per dataset
+    assert {e["tid"] for e in prefetches} == {100_001, 1_100_001}
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert names[100_001] == "input" and names[1_100_001] == "input (lane 1)"
+
+
 async def test_a_sync_merge_fn_that_raises_has_its_cross_replica_span(tmp_path, two):
     def bad_merge(strategy):
         raise LookupError("boom")
