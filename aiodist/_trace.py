@@ -89,24 +89,26 @@ class Tracer:
 
     def take_lane(self) -> int:
         """The lowest lane no run in flight holds (0 when runs do not overlap)."""
-        lane = 0
-        while lane in self._lanes:
-            lane += 1
-        self._lanes.add(lane)
-        return lane
+        return self._take(self._lanes)
 
     def free_lane(self, lane: int) -> None:
-        self._lanes.discard(lane)
+        with self._lock:
+            self._lanes.discard(lane)
 
     def take_input_lane(self) -> int:
         """The lowest input lane no prefetch in flight holds: prefetches overlapping in
         time (several datasets) get tracks of their own, so their spans never overlap
         on one."""
-        with self._lock:  # (prefetches may run on several loops' threads)
+        return self._take(self._input_lanes)
+
+    def _take(self, held: set[int]) -> int:
+        """The lowest lane not in ``held``, added to it. (Under the lock: runs and
+        prefetches on several loops' threads may record into one trace.)"""
+        with self._lock:
             lane = 0
-            while lane in self._input_lanes:
+            while lane in held:
                 lane += 1
-            self._input_lanes.add(lane)
+            held.add(lane)
             return lane
 
     def free_input_lane(self, lane: int) -> None:
