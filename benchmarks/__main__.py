@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -172,14 +173,19 @@ def _numpy_baselines(n: int, steps: dict, repeats: int) -> dict:
     }
 
 
-def _tensorflow(python: str | None, n: int, quick: bool) -> dict | None:
+def _tensorflow(python: str | None, n: int, quick: bool, repeats: int) -> dict | None:
     if python is None:
         return None
     command = [python, "-m", "benchmarks.tf_workloads", "--replicas", str(n)]
+    command += ["--repeats", str(repeats)]  # the same median as aiodist's figures
     if quick:
         command.append("--quick")
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
+    except OSError as exc:  # (checked at the start; gone since)
+        print(f"TensorFlow benchmark failed for N={n}: {exc}", file=sys.stderr)
+        return None
     if done.returncode != 0:
         print(f"TensorFlow benchmark failed for N={n}:\n{done.stderr[-2000:]}", file=sys.stderr)
         return None
@@ -249,7 +255,8 @@ def _table(report: dict) -> str:
         lines.append("")
     lines.append(
         "baseline: (a) N bare tasks; (b)(c) N bare tasks meeting at one future; "
-        "(d) single-threaded np.add.reduce over the N arrays; (g) (b) not tracing. "
+        "(d) single-threaded np.add.reduce over the N arrays (a new result each call); "
+        "(g) (b) not tracing. "
         "'x baseline' = aiodist time / baseline time ((a)-(c): the median of "
         "the ratios of rounds that measured both in turn); "
         "'vs TF ...' = TF time / aiodist time (above 1x, aiodist "
@@ -264,9 +271,9 @@ def _replica_counts(text: str) -> list[int]:
         counts = [int(part) for part in text.split(",")]
     except ValueError:
         counts = []
-    if not counts or min(counts) < 1:
+    if not counts or min(counts) < 1 or len(set(counts)) != len(counts):
         raise argparse.ArgumentTypeError(
-            f"{text!r}; expected comma-separated replica counts >= 1, such as 2,4,8"
+            f"{text!r}; expected distinct comma-separated replica counts >= 1, such as 2,4,8"
         )
     return counts
 
@@ -301,6 +308,13 @@ def main(argv: list[str] | None = None) -> int:
         "--gpu", action="store_true", help="GPU replicas: dispatch overhead and bandwidth"
     )
     args = parser.parse_args(argv)
+    # Paths checked before minutes of measuring, not after.
+    if args.json is not None and not args.json.parent.is_dir():
+        parser.error(
+            f"--json {str(args.json)!r}: the folder {str(args.json.parent)!r} does not exist"
+        )
+    if args.tf_python is not None and not args.no_tf and shutil.which(args.tf_python) is None:
+        parser.error(f"--tf-python {args.tf_python!r}: no such executable")
     if args.gpu:
         return _gpu_main(args)
 
@@ -323,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "aiodist": __import__("aiodist").__version__,
         "quick": args.quick,
+        "repeats": repeats,
         "loops": list(loops),
         "results": {},
         "tensorflow": {},
@@ -331,8 +346,9 @@ def main(argv: list[str] | None = None) -> int:
         per_n = {name: _median_runs(factory, n, steps, repeats) for name, factory in loops.items()}
         per_n["numpy"] = _numpy_baselines(n, steps, repeats)
         report["results"][str(n)] = per_n
-        report["tensorflow"][str(n)] = _tensorflow(tf_python, n, args.quick)
-    best_loop = loops.get("uvloop", asyncio.new_event_loop)
+        report["tensorflow"][str(n)] = _tensorflow(tf_python, n, args.quick, repeats)
+    best_name = "uvloop" if "uvloop" in loops else "asyncio"
+    best_loop = loops[best_name]
     scaling_n = 4 if 4 in replicas else replicas[0]
     report["scaling"] = _scaling(best_loop, scaling_n, steps["f"], repeats)
     if not args.no_serving and serving.available():
@@ -353,7 +369,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + _scaling_table(report["scaling"]))
     if report.get("serving"):
         print("\n" + serving.table(report["serving"]))
-        print("4 CPU replicas, uvloop; one row per request; the load comes from another process.")
+        print(
+            f"4 CPU replicas, {best_name}; one row per mode and concurrency; the load comes "
+            "from another process."
+        )
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2))
         print(f"\nfigures written to {args.json}")

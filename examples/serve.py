@@ -101,7 +101,8 @@ def parse_inputs(body: bytes, max_rows: int) -> np.ndarray:
             except OverflowError:
                 number = math.inf
             if not math.isfinite(number) or abs(number) > MAX_ABS_INPUT:
-                shown = value if abs(number) < 1e300 else f"a number of {len(str(value))} digits"
+                huge = isinstance(value, int) and abs(number) >= 1e300  # (NaN compares False)
+                shown = f"a number of {len(str(value))} digits" if huge else value
                 raise BadInput(
                     f"row {i}, column {j} is {shown}; expected a finite number of magnitude "
                     f"at most {MAX_ABS_INPUT:g}"

@@ -26,9 +26,12 @@ from benchmarks.__main__ import (
 @pytest.mark.parametrize(
     ("argv", "shown"),
     [
-        (["--replicas", "2,x"], "argument --replicas: '2,x'; expected comma-separated"),
-        (["--replicas", "0,2"], "argument --replicas: '0,2'; expected comma-separated"),
-        (["--replicas", ""], "argument --replicas: ''; expected comma-separated"),
+        (["--replicas", "2,x"], "argument --replicas: '2,x'; expected distinct comma-separated"),
+        (["--replicas", "0,2"], "argument --replicas: '0,2'; expected distinct comma-separated"),
+        (["--replicas", ""], "argument --replicas: ''; expected distinct comma-separated"),
+        (["--replicas", "2,2"], "argument --replicas: '2,2'; expected distinct comma-separated"),
+        (["--json", "/no/such/folder/out.json"], "the folder '/no/such/folder' does not exist"),
+        (["--tf-python", "/no/such/python"], "--tf-python '/no/such/python': no such executable"),
         (["--repeats", "0"], "argument --repeats: '0'; expected a whole number >= 1"),
         (["--repeats", "two"], "argument --repeats: 'two'; expected a whole number >= 1"),
     ],
@@ -38,6 +41,25 @@ def test_bad_arguments_are_refused_by_name(argv, shown, capsys):
         main(argv)
     assert exited.value.code == 2
     assert shown in capsys.readouterr().err
+
+
+def test_the_tensorflow_side_gets_the_same_repeats(tmp_path):
+    from benchmarks.__main__ import _tensorflow
+
+    seen = tmp_path / "argv"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\necho "$@" > {seen}\necho "{{}}"\n')
+    fake.chmod(0o755)
+    assert _tensorflow(str(fake), 2, True, 7) == {}
+    assert seen.read_text().split() == [
+        "-m",
+        "benchmarks.tf_workloads",
+        "--replicas",
+        "2",
+        "--repeats",
+        "7",
+        "--quick",
+    ]
 
 
 async def test_workloads_and_floors_measure_positive_seconds_per_step():
@@ -112,4 +134,4 @@ def test_instruction_counting_refuses_bad_replica_counts(capsys):
     with pytest.raises(SystemExit) as exited:
         instructions.main(["--replicas", "0"])
     assert exited.value.code == 2
-    assert "argument --replicas: '0'; expected comma-separated" in capsys.readouterr().err
+    assert "argument --replicas: '0'; expected distinct comma-separated" in capsys.readouterr().err
