@@ -19,6 +19,7 @@ leaves that are the very same object on every replica, which stay as they are.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 from . import _nest
@@ -214,8 +215,14 @@ def _regroup_flat(values: Sequence[object], kind: type | None, devices: Any) -> 
         if len(column) != len(values) or () in values:
             return None
         columns: Any = (column,)
+        alike = False
     else:
         columns = zip(*values)  # noqa: B905 (lengths checked equal: strict= parses a keyword)
+        # Every leaf of one type that is no container (a run's list of a hundred arrays
+        # per replica): known from one set, made in C, so no column is scanned leaf by
+        # leaf below ((e), N = 4, uvloop: 248 -> 242 us per step).
+        kinds = set(map(type, chain.from_iterable(values)))
+        alike = len(kinds) == 1 and not issubclass(next(iter(kinds)), _NESTED)
     devices = None if devices is None else tuple(devices)
     new = _new_object
     # merged.append called as a method, not bound once to a local: Python 3.11
@@ -224,17 +231,21 @@ def _regroup_flat(values: Sequence[object], kind: type | None, devices: Any) -> 
     merged = []
     for column in columns:
         leaf = column[0]
-        leaf_type = type(leaf)
-        if issubclass(leaf_type, _NESTED):
-            return None
         # `leaf is column[-1]` settles the usual case (distinct per-replica values)
         # without scanning the column.
-        if leaf is column[-1] and _nest.all_are(column, leaf):
+        if not alike:
+            leaf_type = type(leaf)
+            if issubclass(leaf_type, _NESTED):
+                return None
+            if leaf is column[-1] and _nest.all_are(column, leaf):
+                merged.append(leaf)
+                continue
+            for other in column:
+                if type(other) is not leaf_type and isinstance(other, _NESTED):
+                    return None
+        elif leaf is column[-1] and _nest.all_are(column, leaf):
             merged.append(leaf)
             continue
-        for other in column:
-            if type(other) is not leaf_type and isinstance(other, _NESTED):
-                return None
         item = new(PerReplica)  # PerReplica._make, inlined: once per leaf of a result
         item._values, item._devices = column, devices
         merged.append(item)
