@@ -669,7 +669,8 @@ class RunGroup:
                     replica_args, replica_kwargs = args, kwargs
                 else:
                     replica_args = select_replica(rid, tuple(args), n)
-                    replica_kwargs = select_replica(rid, kwargs, n)
+                    # (No kwargs, the usual: the empty dict as it is, not rebuilt.)
+                    replica_kwargs = select_replica(rid, kwargs, n) if kwargs else kwargs
                 backend = slot.backend
                 if not is_async and tracer is None and not backend.needs_activation:
                     call = (fn, replica_args, replica_kwargs)

@@ -115,6 +115,17 @@ def select_replica(replica_id: int, structure: object, num_replicas: int) -> obj
         return _component(structure, replica_id, num_replicas)
     if not _nest.is_nested(structure):
         return structure
+    if type(structure) is tuple and not _nest.any_nested(structure):
+        # A flat tuple (run's args, usually): one pass, no closure and no walk ((e), N =
+        # 4, uvloop, with the empty kwargs no longer rebuilt: 238 -> 222 us per step).
+        return tuple(
+            [
+                _component(leaf, replica_id, num_replicas)
+                if isinstance(leaf, DistributedValues)
+                else leaf
+                for leaf in structure
+            ]
+        )
 
     def pick(leaf: object) -> object:
         if isinstance(leaf, DistributedValues):
