@@ -92,10 +92,14 @@ def get_strategy() -> Strategy:
 
 
 def has_strategy() -> bool:
-    """Whether a strategy other than the default one is current (the default one is,
-    in its own run or merge_fn: as in TF, that is no strategy)."""
-    strategy = _STATE.get()[STRATEGY]
-    return strategy is not None and strategy is not _default.get("strategy")
+    """Whether a strategy other than the default one is current."""
+    return non_default(_STATE.get()[STRATEGY]) is not None
+
+
+def non_default(strategy: Strategy | None) -> Strategy | None:
+    """``strategy``, or None for the default strategy: as in TF, the default one
+    current (in its own run or merge_fn) is no strategy."""
+    return None if strategy is _default.get("strategy") else strategy
 
 
 def in_cross_replica_context() -> bool:
@@ -159,8 +163,8 @@ def scope_of(strategy: Strategy) -> Iterator[Strategy]:
     """
     state = _STATE.get()
     current = state[STRATEGY]
-    if current is not None and current is _default.get("strategy") and current is not strategy:
-        current = None  # the default strategy's run or merge_fn: no strategy, as in TF
+    if current is not strategy:
+        current = non_default(current)
     default = strategy is _default.get("strategy")
     if default and current is not None and current is not strategy:
         raise _mixing(current, strategy)  # TF: scopes must not nest

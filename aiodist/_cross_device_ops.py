@@ -41,7 +41,7 @@ from ._host_reduce import pack as host_pack
 from ._host_reduce import scalar_totaller
 from ._ops import ReduceOp
 from ._options import CommunicationOptions
-from ._values import DistributedValues, Mirrored, PerReplica, refuse_structure
+from ._values import DistributedValues, Mirrored, copies_of, refuse_structure
 
 __all__ = ["CrossDeviceOps", "NcclAllReduce", "ReductionToOneDevice", "resolve_destinations"]
 
@@ -744,8 +744,7 @@ def _combine_on_device(xp: Any, op: ReduceOp, values: Sequence[Any]) -> Any:
 
 
 def _components(value: Any) -> list:
-    if hasattr(value, "_aiodist_local_results"):  # a variable: its copies, as in TF
-        value = PerReplica(value._aiodist_local_results(), value._aiodist_devices)
+    value = copies_of(value)  # (a variable: its copies, as in TF)
     if isinstance(value, DistributedValues):
         parts = list(value._values)
         devices = value._devices or (None,) * len(parts)

@@ -91,14 +91,12 @@ class InputOptions:
         name = "experimental_replication_mode"
         mode = member(InputReplicationMode, getattr(self, name), name)
         object.__setattr__(self, name, mode)  # a frozen dataclass
+        if self.experimental_fetch_to_device is None:  # TF's default
+            object.__setattr__(self, "experimental_fetch_to_device", True)
         for name in ("experimental_fetch_to_device", "experimental_place_dataset_on_device"):
             value = getattr(self, name)
-            if not isinstance(value, bool) and not (
-                value is None and name == "experimental_fetch_to_device"
-            ):
+            if not isinstance(value, bool):
                 raise InvalidArgumentError(f"InputOptions: {name}={value!r}; expected a bool.")
-        if self.experimental_fetch_to_device is None:
-            object.__setattr__(self, "experimental_fetch_to_device", True)
         if self.experimental_place_dataset_on_device and (
             self.experimental_fetch_to_device or mode is not InputReplicationMode.PER_REPLICA
         ):

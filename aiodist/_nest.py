@@ -55,10 +55,7 @@ def rebuild(template: list | tuple | dict, new_children: list) -> Any:
         items = dict(zip(_keys(template), new_children, strict=True))
         # Keep the template's own key order in the result.
         ordered = {key: items[key] for key in template}
-        kind = type(template)
-        if kind is dict:
-            return ordered
-        return _dict_like(template, ordered)
+        return ordered if type(template) is dict else _dict_like(template, ordered)
     if _is_namedtuple(template):
         return type(template)(*new_children)
     if isinstance(template, tuple):

@@ -658,8 +658,7 @@ class RunGroup:
         n = self.num_replicas
         tracer = _trace.active
         if tracer is not None:
-            self._run_id = tracer.next_run()
-            self._lane, self._lane_tracer = tracer.take_lane(), tracer  # freed by run()
+            self._lane_in(tracer)  # (freed by run())
         coroutines: list = []
         try:
             for slot in self.slots:

@@ -44,7 +44,13 @@ from ._replica_context import (
 )
 from ._scheduler import DefaultGroup, ReplicaSlot, RunGroup, task_names
 from ._stats import Counters, Statistics, snapshot
-from ._values import DistributedValues, PerReplica, refuse_structure, select_replica
+from ._values import (
+    DistributedValues,
+    PerReplica,
+    copies_of,
+    refuse_structure,
+    select_replica,
+)
 
 __all__ = [
     "MirroredStrategy",
@@ -253,8 +259,7 @@ class StrategyExtended:
         be ambiguous and raise."""
         n = self._strategy.num_replicas_in_sync
         ambiguous = op in (ReduceOp.SUM, ReduceOp.PRODUCT)
-        if hasattr(value, "_aiodist_local_results"):  # a variable: its copies, as in TF
-            return PerReplica(value._aiodist_local_results(), value._aiodist_devices)
+        value = copies_of(value)  # (a variable: its copies, as in TF)
         if isinstance(value, DistributedValues) or n == 1 or not ambiguous:
             return value
         raise InvalidArgumentError(
@@ -567,8 +572,7 @@ class Strategy:
     async def _host_components(self, value: Any) -> list:
         """The components of ``value`` as host arrays; GPU components are copied in
         stream order while the loop keeps running."""
-        if hasattr(value, "_aiodist_local_results"):  # a variable: its copies, as TF's
-            value = PerReplica(value._aiodist_local_results(), value._aiodist_devices)
+        value = copies_of(value)  # (a variable: its copies, as in TF)
         if isinstance(value, DistributedValues):
             parts = list(value._values)
             if len(parts) != len(self._slots):

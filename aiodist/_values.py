@@ -109,6 +109,15 @@ def _component(value: DistributedValues, replica_id: int, num_replicas: int) -> 
     return value._values[replica_id]
 
 
+def copies_of(value: object) -> object:
+    """``value`` with a variable as its copies: a ``PerReplica`` on the variable's
+    devices (TF's variables are distributed values, reduced component by component);
+    anything else as it is."""
+    if hasattr(value, "_aiodist_local_results"):
+        return PerReplica(value._aiodist_local_results(), value._aiodist_devices)
+    return value
+
+
 def select_replica(replica_id: int, structure: object, num_replicas: int) -> object:
     """``structure`` with each distributed value replaced by replica ``replica_id``'s component."""
     if isinstance(structure, DistributedValues):
@@ -242,21 +251,19 @@ def _regroup_flat(values: Sequence[object], kind: type | None, devices: Any) -> 
     merged = []
     for column in columns:
         leaf = column[0]
-        # `leaf is column[-1]` settles the usual case (distinct per-replica values)
-        # without scanning the column.
         if not alike:
             leaf_type = type(leaf)
             if issubclass(leaf_type, _NESTED):
                 return None
-            if leaf is column[-1] and _nest.all_are(column, leaf):
-                merged.append(leaf)
-                continue
+        # `leaf is column[-1]` settles the usual case (distinct per-replica values)
+        # without scanning the column.
+        if leaf is column[-1] and _nest.all_are(column, leaf):
+            merged.append(leaf)
+            continue
+        if not alike:
             for other in column:
                 if type(other) is not leaf_type and isinstance(other, _NESTED):
                     return None
-        elif leaf is column[-1] and _nest.all_are(column, leaf):
-            merged.append(leaf)
-            continue
         item = new(PerReplica)  # PerReplica._make, inlined: once per leaf of a result
         item._values, item._devices = column, devices
         merged.append(item)

@@ -423,12 +423,8 @@ class Variable:
         not be combined, and it raises "Mixing different ... strategies"."""
         if self._strategy is None:
             return
-        current = _context.current_state()[_context.STRATEGY]
-        if (
-            current is not None
-            and current is not self._strategy
-            and current is not _context._default.get("strategy")
-        ):
+        current = _context.non_default(_context.current_state()[_context.STRATEGY])
+        if current is not None and current is not self._strategy:
             raise _context._mixing(current, self._strategy)
 
     async def _write(self, kind: str, value: Any) -> Variable:

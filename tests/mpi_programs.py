@@ -213,13 +213,17 @@ async def _read_while_busy(strategy: aiodist.Strategy) -> dict:
         metric = aiodist.Variable(1.0, synchronization="on_read", aggregation="sum")
     pending = asyncio.create_task(strategy.reduce("sum", metric, axis=None))
     await asyncio.sleep(0)  # it has sent its header and waits for the other workers
-    try:
-        metric.numpy()
-    except aiodist.InvalidArgumentError as exc:
-        refused = str(exc)
-    else:
-        refused = None
+    refused = _refusal(metric.numpy)
     return _plain({"refused": refused, "reduced": await pending, "read": metric.numpy()})
+
+
+def _refusal(call) -> str | None:
+    """The message of the InvalidArgumentError ``call()`` raises; None if it returns."""
+    try:
+        call()
+    except aiodist.InvalidArgumentError as exc:
+        return str(exc)
+    return None
 
 
 def _strategy(counts: list[int], timeout: float | None = None) -> aiodist.Strategy:
@@ -563,12 +567,7 @@ async def _close_in_flight(strategy: aiodist.Strategy) -> dict:
         return {"result": float(total), "after": time.monotonic() - started}
     task = asyncio.ensure_future(strategy.reduce("sum", np.float64(1.0), axis=None))
     await asyncio.sleep(0.3)
-    try:
-        strategy.close()
-    except aiodist.InvalidArgumentError as exc:
-        refused = str(exc)
-    else:
-        refused = None
+    refused = _refusal(strategy.close)
     total = await task
     strategy.close()
     return {"refused": refused, "result": float(total), "after": time.monotonic() - started}
