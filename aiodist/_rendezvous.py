@@ -435,7 +435,11 @@ class Rendezvous:
             self._fail(call, failure)
             return
         except StopIteration as exc:  # (a future cannot hold one: PEP 479's answer)
-            failure = RuntimeError(f"{call.label}: the cross-replica code raised StopIteration")
+            failure = RendezvousError(
+                f"{call.label}: the cross-replica code raised StopIteration (e.g. next() "
+                "of an exhausted iterator), which no replica's await can receive; catch "
+                "it in the merge_fn, or raise another exception to fail the call."
+            )
             failure.__cause__ = exc
             self._fail(call, failure)
             return

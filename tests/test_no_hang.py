@@ -748,6 +748,9 @@ async def test_a_merge_fn_raising_stopiteration_fails_every_replica(two, kind):
         await two.run(step)
     assert sorted(seen) == [0, 1] and all(e is info.value for e in seen.values())
     assert isinstance(info.value.__cause__, StopIteration)
+    if kind == "sync":  # (an async one's is Python's own, PEP 479's RuntimeError)
+        assert isinstance(info.value, aiodist.RendezvousError)
+        assert "catch it in the merge_fn, or raise another exception" in str(info.value)
 
 
 def _plain_tasks(loop, coro, **kwargs):
