@@ -72,7 +72,7 @@ async def train(devices: list[str], steps: int, lr: float, seed: int) -> float:
 
     rng = np.random.default_rng(seed)
     true_w = rng.normal(size=FEATURES)
-    with strategy.scope():  # one copy per replica, kept equal by aggregated updates
+    with strategy.scope():  # one copy per device, kept equal by aggregated updates
         weights = aiodist.Variable(np.zeros(FEATURES), aggregation="mean", name="weights")
 
     def batches():

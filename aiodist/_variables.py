@@ -3,10 +3,11 @@
 ``aiodist.Variable(initial_value, ...)`` gives
 
 - outside any scope: a plain variable with one copy on ``/device:CPU:0``;
-- in ``strategy.scope()``: a ``MirroredVariable`` with one copy per replica,
-  all initialised identically, or with ``synchronization=ON_READ`` a
-  ``SyncOnReadVariable`` (each replica updates its own copy; reading in
-  cross-replica context aggregates them).
+- in ``strategy.scope()``: a ``MirroredVariable`` with one copy per device, all
+  initialised identically (replicas sharing a device, such as several on one
+  GPU, share its copy), or with ``synchronization=ON_READ`` a
+  ``SyncOnReadVariable`` with one copy per replica (each replica updates its own
+  copy; reading in cross-replica context aggregates them).
 
 Reading resolves by context: inside a replica function of the variable's
 strategy, the replica's own copy; elsewhere (cross-replica context) the primary
@@ -220,6 +221,8 @@ class Variable:
         (array(2.), array(2.))
     """
 
+    _copy_per_device = False  # one copy per replica (a mirrored one: per device)
+
     def __new__(cls, *args: Any, **kwargs: Any) -> Variable:
         if cls is Variable:
             state = _context.current_state()
@@ -290,9 +293,23 @@ class Variable:
             # rendezvous of the workers, at the same point of the program).
             timeout = strategy._communication_options.timeout_seconds
             host = strategy._world.broadcast_now(host, f"Variable {self._name!r}", timeout)
-        self._devices: tuple[Device, ...] = (
+        # Each local replica's device, and the index of the copy it reads and writes:
+        # one copy per replica, or, for a mirrored variable, one per distinct device
+        # (SPEC 9), shared by the replicas on it.
+        self._replica_devices: tuple[Device, ...] = (
             (_HOST,) if strategy is None else tuple(s.device for s in strategy._slots)
         )
+        if self._copy_per_device:
+            first: dict[Device, int] = {}
+            for device in self._replica_devices:
+                first.setdefault(device, len(first))
+            self._copy_of = tuple(first[d] for d in self._replica_devices)
+            self._devices: tuple[Device, ...] = tuple(first)
+        else:
+            self._copy_of = tuple(range(len(self._replica_devices)))
+            self._devices = self._replica_devices
+        # The replica whose component of a Mirrored value each copy takes (its first).
+        self._replica_of_copy = tuple(self._copy_of.index(c) for c in range(len(self._devices)))
         self._values = [_frozen(backend_for(d).asarray(host.copy(), d)) for d in self._devices]
 
     # -- identity -------------------------------------------------------------------
@@ -319,7 +336,8 @@ class Variable:
 
     @property
     def devices(self) -> tuple[str, ...]:
-        """Canonical names of the copies' devices, in replica order."""
+        """Canonical names of the copies' devices, in replica order (a mirrored
+        variable's once per device: replicas sharing a device share its copy)."""
         return tuple(str(d) for d in self._devices)
 
     def __repr__(self) -> str:
@@ -328,22 +346,26 @@ class Variable:
         body = ",\n".join(f"  {i}: {v!r}" for i, v in enumerate(self._values))
         return f"{type(self).__name__} {self._name!r}:{{\n{body}\n}}"
 
-    # hooks used by strategies (experimental_local_results, destinations)
+    # hooks used by strategies (experimental_local_results, destinations): one entry
+    # per local replica, as for any distributed value (replicas sharing a copy show it
+    # once each)
     @property
     def _aiodist_devices(self) -> tuple[Device, ...]:
-        return self._devices
+        return self._replica_devices
 
     def _aiodist_local_results(self) -> tuple:
-        return tuple(self._values)
+        values = self._values
+        return tuple(values[c] for c in self._copy_of)
 
     # -- reading ----------------------------------------------------------------------
 
     def _replica_index(self) -> int | None:
-        """This replica's copy index inside a replica function of our strategy, else None."""
+        """The index of this replica's copy inside a replica function of our strategy,
+        else None."""
         replica = _context.current_replica()
         if replica is None or self._strategy is None or replica.strategy is not self._strategy:
             return None
-        return replica._replica_id  # this process's copy (global ids span workers)
+        return self._copy_of[replica._replica_id]  # (local ids: global ones span workers)
 
     def read_value(self) -> Any:
         """The value in this context: the replica's copy, or (cross-replica) the
@@ -444,9 +466,9 @@ class Variable:
     def _per_copy(self, kind: str, value: Any) -> list:
         """What a cross-replica write gives each copy: a ``Mirrored`` value's own
         component (as TF allows), otherwise the one value, copied to the host once."""
-        if isinstance(value, Mirrored):
-            n = len(self._values)
-            return [host_array(_component(value, i, n)) for i in range(n)]
+        if isinstance(value, Mirrored):  # one component per replica: each copy's first
+            n = len(self._copy_of)
+            return [host_array(_component(value, r, n)) for r in self._replica_of_copy]
         if isinstance(value, DistributedValues):
             raise InvalidArgumentError(
                 f"{self._name}.{kind}() in cross-replica context got a "
@@ -469,7 +491,9 @@ class Variable:
 
 
 class MirroredVariable(Variable):
-    """One copy per replica, kept equal: updates in replica context aggregate."""
+    """One copy per device, kept equal: updates in replica context aggregate."""
+
+    _copy_per_device = True
 
     async def _write(self, kind: str, value: Any) -> Variable:
         index = self._replica_index()
@@ -686,19 +710,29 @@ async def update(
         raise InvalidArgumentError(f"update: fn={fn!r} is not callable.")
     args = _positional(args, "update")
     kwargs = _keywords(kwargs, "update")
-    copies = variable._copies()
     strategy = variable._strategy
     slots = strategy._slots if strategy is not None else None
+    n = len(variable._copy_of)  # replicas: a Mirrored argument has a component for each
     results = []
-    for i, copy in enumerate(copies):
-        copy_args = select_replica(i, args, len(copies))
-        copy_kwargs = select_replica(i, kwargs, len(copies))
-        token = slots[i].backend.activate(slots[i].device, slots[i].stream) if slots else None
+    for copy, rid in zip(variable._copies(), variable._replica_of_copy, strict=True):
+        # Each copy with the component, device and stream of its first replica.
+        copy_args = select_replica(rid, args, n)
+        copy_kwargs = select_replica(rid, kwargs, n)
+        slot = slots[rid] if slots else None
+        token = slot.backend.activate(slot.device, slot.stream) if slot else None
         try:
             result = fn(copy, *copy_args, **copy_kwargs)
         finally:
-            if slots:
-                slots[i].backend.deactivate(token)
+            if slot:
+                slot.backend.deactivate(token)
+        if slot and slot.backend.needs_activation:
+            # The other replicas sharing this copy (on the same GPU) read it on streams
+            # of their own: their later work waits for what fn issued on this one.
+            sharing = [
+                slots[r] for r, c in enumerate(variable._copy_of) if c == copy._index and r != rid
+            ]
+            if sharing:
+                slot.backend.end_cross_replica(((slot.device.index, slot.stream),), sharing)
         if inspect.isawaitable(result):
             if hasattr(result, "close"):
                 result.close()
@@ -709,4 +743,7 @@ async def update(
         results.append(result)
     if not group:
         return tuple(results)
-    return results[0] if len(results) == 1 else Mirrored(results, variable._devices)
+    if n == 1:
+        return results[0]
+    # Per replica, as every distributed value (replicas sharing a copy share its result).
+    return Mirrored([results[c] for c in variable._copy_of], variable._replica_devices)

@@ -326,6 +326,31 @@ def test_a_device_error_is_raised_not_hung():
     assert "cudaErrorIllegalAddress" in done.stdout
 
 
+async def test_a_mirrored_variable_on_a_shared_gpu_is_one_copy_ordered_for_every_replica():
+    """SPEC 9: one copy per device. extended.update writes it on its first replica's
+    stream; the other replica, reading it on its own stream, waits for that write."""
+    strategy = _shared(2)
+    with strategy.scope():
+        v = aiodist.Variable(np.zeros(1, np.float32), aggregation="sum")
+    assert v.devices == ("/device:GPU:0",)
+    cycles = _cycles(0.2)
+
+    def slow_assign(copy):
+        x = cupy.zeros(1, cupy.float32)
+        _slow_set(x, 7.0, cycles)  # on replica 0's stream, done 0.2 s later
+        copy.assign(x)
+
+    await strategy.extended.update(v, slow_assign)
+
+    async def read(var):
+        # Before any collective: get() copies on this replica's stream, and waits
+        # for that stream only.
+        return float(var.read_value().get()[0])
+
+    result = await strategy.run(read, args=(v,))
+    assert strategy.experimental_local_results(result) == (7.0, 7.0)
+
+
 # -- packing ---------------------------------------------------------------------------
 
 _MIXED = [

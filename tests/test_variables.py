@@ -340,6 +340,66 @@ async def test_variables_as_run_args_and_destinations(two):
     assert mirrored.devices == v.devices
 
 
+async def test_replicas_sharing_a_device_share_a_mirrored_copy(tmp_path):
+    """SPEC 9: a mirrored variable has one copy per device (several replicas on one
+    device, as on a shared GPU, read and update one copy); a sync-on-read variable
+    keeps one per replica, as each replica updates its own."""
+    strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:0", "cpu:1"])
+    with strategy.scope():
+        w = aiodist.Variable(np.zeros(2), aggregation="sum", name="w")
+        seen = aiodist.Variable(0, synchronization="ON_READ", aggregation="sum", name="seen")
+    assert w.devices == ("/device:CPU:0", "/device:CPU:1")
+    assert len(w._values) == 2
+    assert seen.devices == ("/device:CPU:0", "/device:CPU:0", "/device:CPU:1")
+
+    async def step(w, seen):
+        await w.assign_add(np.full(2, rid() + 1.0))  # 1 + 2 + 3 on every copy
+        await seen.assign_add(rid() + 1)  # each replica's own copy
+        return w.read_value(), seen.read_value()
+
+    values, counts = await strategy.run(step, args=(w, seen))
+    local = strategy.experimental_local_results(values)
+    assert local[0] is local[1]  # replicas 0 and 1 read the copy of cpu:0
+    for value in local:
+        np.testing.assert_array_equal(value, [6.0, 6.0])
+    assert [int(c) for c in strategy.experimental_local_results(counts)] == [1, 2, 3]
+    assert int(np.asarray(seen)) == 6
+    assert len(strategy.experimental_local_results(w)) == 3  # one per replica, as TF's
+
+    # extended.update: fn once per copy, with the component of the copy's first
+    # replica; the result is per replica.
+    mirrored = await strategy.extended.reduce_to("sum", w, destinations=w)  # 3 x 6
+    assert mirrored.devices == ("/device:CPU:0", "/device:CPU:0", "/device:CPU:1")
+    calls = []
+
+    def assign(copy, value):
+        calls.append(copy.device)
+        return copy.assign(value)
+
+    result = await strategy.extended.update(w, assign, args=(mirrored,))
+    assert calls == ["/device:CPU:0", "/device:CPU:1"]
+    assert len(result.values) == 3 and result.values[0] is result.values[1]
+    for value in strategy.experimental_local_results(w):
+        np.testing.assert_array_equal(value, [18.0, 18.0])
+    np.testing.assert_array_equal(await strategy.reduce("sum", w, axis=None), [54.0, 54.0])
+
+    # A cross-replica write of a Mirrored value: each copy its first replica's part.
+    await w.assign(aiodist.Mirrored([np.ones(2), np.ones(2), np.ones(2)]))
+    for value in strategy.experimental_local_results(w):
+        np.testing.assert_array_equal(value, [1.0, 1.0])
+
+    # Checkpoints carry the value across to a strategy of distinct devices.
+    path = await aiodist.save_variables(tmp_path / "shared.npz", [w, seen])
+    other = aiodist.MirroredStrategy(["cpu:0", "cpu:1"])
+    with other.scope():
+        w2 = aiodist.Variable(np.zeros(2), aggregation="sum", name="w")
+        seen2 = aiodist.Variable(0, synchronization="ON_READ", aggregation="sum", name="seen")
+    await aiodist.restore_variables(path, [w2, seen2])
+    for value in copies(other, w2):
+        np.testing.assert_array_equal(value, [1.0, 1.0])
+    assert int(np.asarray(seen2)) == 6
+
+
 # -- checkpoints ---------------------------------------------------------------------
 
 
