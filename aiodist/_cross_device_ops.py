@@ -439,16 +439,22 @@ class CrossDeviceOps:
     ) -> list:
         """``reduce`` for each ``(value, destinations)`` pair; a list of results."""
         _context.require_cross_replica(None, "CrossDeviceOps.batch_reduce")
-        if isinstance(value_destination_pairs, str | bytes) or not all(
-            isinstance(pair, list | tuple) and len(pair) == 2 for pair in value_destination_pairs
+        given = value_destination_pairs
+        try:
+            # A list first, as TF takes it: a generator checked below would be used up.
+            pairs = None if isinstance(given, str | bytes) else list(given)
+        except TypeError:  # not iterable
+            pairs = None
+        if pairs is None or not all(
+            isinstance(pair, list | tuple) and len(pair) == 2 for pair in pairs
         ):
             raise InvalidArgumentError(
-                f"value_destination_pairs={value_destination_pairs!r}; expected a list of "
+                f"value_destination_pairs={given!r}; expected a list of "
                 "(value, destinations) pairs."
             )
         return [
             await self.reduce(reduce_op, value, destinations, options)
-            for value, destinations in value_destination_pairs
+            for value, destinations in pairs
         ]
 
     async def broadcast(self, tensor: Any, destinations: Any) -> Any:

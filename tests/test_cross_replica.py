@@ -357,6 +357,18 @@ async def test_cross_device_ops_directly():
         await ops.broadcast(value, "cpu:0")
 
 
+async def test_cross_device_ops_batch_reduce_takes_any_iterable_of_pairs():
+    # TF takes list(value_destination_pairs); checking a generator used to use it up,
+    # so every pair was dropped and the result was [].
+    ops = aiodist.ReductionToOneDevice()
+    value = aiodist.PerReplica([np.array([1, 2]), np.array([3, 4])], devices=None)
+    out = await ops.batch_reduce("sum", ((value, d) for d in ("cpu:0", "cpu:1")))
+    assert [v.tolist() for v in out] == [[4, 6], [4, 6]]
+    for bad in (5, "ab", [(value, "cpu:0", 1)]):
+        with pytest.raises(aiodist.InvalidArgumentError, match=r"expected a list of \(value"):
+            await ops.batch_reduce("sum", bad)
+
+
 async def test_cross_device_ops_broadcast_never_shares_the_callers_array():
     ops = aiodist.ReductionToOneDevice()
     for destinations in ("cpu:0", ["cpu:0", "cpu:1"]):
