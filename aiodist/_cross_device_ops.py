@@ -424,6 +424,7 @@ class CrossDeviceOps:
         _context.require_cross_replica(None, "CrossDeviceOps.reduce")
         op = ReduceOp.of(reduce_op)
         devices = resolve_destinations(destinations)
+        refuse_structure(per_replica_value, "CrossDeviceOps.reduce")
         arrays = _components(per_replica_value)
         check_alike(arrays, "reduce")
         for array in arrays:
@@ -480,6 +481,7 @@ class CrossDeviceOps:
         """Concatenate the components of ``per_replica_value`` along ``axis``."""
         _context.require_cross_replica(None, "CrossDeviceOps.gather")
         devices = resolve_destinations(destinations)
+        refuse_structure(per_replica_value, "CrossDeviceOps.gather")
         arrays = _components(per_replica_value)
         _check_gatherable(arrays, axis, "gather")
         backend = backend_for(devices[0])

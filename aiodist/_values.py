@@ -160,6 +160,8 @@ _ONE_AT_A_TIME = {
     "strategy.gather": "strategy.gather(v, axis=0)",
     "reduce_to": "strategy.extended.reduce_to(op, v, destinations)",
     "broadcast": "strategy.extended.broadcast_to(v, destinations)",
+    "CrossDeviceOps.reduce": "ops.reduce(op, v, destinations)",
+    "CrossDeviceOps.gather": "ops.gather(v, destinations, axis)",
 }
 
 

@@ -357,6 +357,24 @@ async def test_cross_device_ops_directly():
         await ops.broadcast(value, "cpu:0")
 
 
+async def test_cross_device_ops_refuse_structures_of_distributed_values():
+    # As reduce_to does: a dict or list of PerReplica used to become an object array,
+    # refused as "dtype object" (reduce) or "a rank-0 value (object[])" (gather).
+    ops = aiodist.ReductionToOneDevice()
+    value = aiodist.PerReplica([np.array([1, 2]), np.array([3, 4])], devices=None)
+    for structure, shown in [({"a": value}, r"a dict \(keys 'a'\)"), ([value, value], "a list")]:
+        for call, where in [
+            (lambda v: ops.reduce("sum", v, "cpu:0"), "reduce"),
+            (lambda v: ops.gather(v, "cpu:0", axis=0), "gather"),
+        ]:
+            with pytest.raises(aiodist.InvalidArgumentError) as caught:
+                await call(structure)
+            message = str(caught.value)
+            assert message.startswith(f"CrossDeviceOps.{where}: value is "), message
+            assert re.search(rf"{shown}.* holding distributed values", message), message
+            assert f"await ops.{where}(" in message, message
+
+
 async def test_cross_device_ops_batch_reduce_takes_any_iterable_of_pairs():
     # TF takes list(value_destination_pairs); checking a generator used to use it up,
     # so every pair was dropped and the result was [].
