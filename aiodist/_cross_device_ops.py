@@ -497,7 +497,10 @@ class CrossDeviceOps:
         """
         backend = backend_for(devices[0])
         placed = backend.asarray(array, devices[0])
-        if copy and placed is array:
+        # Not only the caller's array itself: asarray of an ndarray subclass (np.memmap,
+        # a masked array) or of an array-like exposing its buffer is a view of the
+        # caller's memory too (its ``base`` is set).
+        if copy and (placed is array or placed.base is not None):
             with backend.on_device(devices[0]):
                 placed = placed.copy()
         if len(devices) == 1:

@@ -437,6 +437,26 @@ async def test_broadcast_never_shares_the_callers_memory(two):
         np.testing.assert_array_equal(v, [0, 0])
 
 
+@pytest.mark.parametrize("kind", ["memmap", "masked", "view"])
+async def test_broadcast_of_an_array_subclass_never_shares_the_callers_memory(two, tmp_path, kind):
+    # np.asarray of a memmap or a masked array is a view of the caller's memory, which
+    # broadcast_to used to hand out: a write to the result wrote the caller's file.
+    if kind == "memmap":
+        source = np.memmap(tmp_path / "w.bin", np.float32, "w+", shape=(2,))
+    elif kind == "masked":
+        source = np.ma.masked_array(np.zeros(2, np.float32))
+    else:
+        source = np.zeros(4, np.float32)[::2]
+    source[:] = 0
+    one = await two.extended.broadcast_to(source, "cpu:0")
+    mirrored = await two.extended.broadcast_to(source, ["cpu:0", "cpu:1"])
+    one[:] = 5
+    source[:] = 7
+    np.testing.assert_array_equal(one, [5, 5])
+    for v in two.experimental_local_results(mirrored):
+        np.testing.assert_array_equal(v, [0, 0])
+
+
 async def test_product_of_a_plain_value_is_ambiguous(two):
     with pytest.raises(ValueError, match=r"cannot be reduced with PRODUCT across 2"):
         await two.reduce("product", np.array(3.0), axis=None)
