@@ -641,6 +641,14 @@ class ReductionToOneDevice(CrossDeviceOps):
         if self._accumulation_fn is not None and op in (ReduceOp.SUM, ReduceOp.MEAN):
             with backend.on_device(target):
                 total = backend.asarray(self._accumulation_fn(values), target)
+                if total.shape != values[0].shape:
+                    # Batched leaves would be cut from it silently, short or misplaced.
+                    raise InvalidArgumentError(
+                        f"ReductionToOneDevice: accumulation_fn={self._accumulation_fn!r} "
+                        f"returned a value of shape {tuple(total.shape)} for {len(values)} "
+                        f"values of shape {tuple(values[0].shape)}; expected their "
+                        "element-wise sum, of that same shape."
+                    )
                 if _aliases(total, values):
                     # It handed back an input (or a view of one): MEAN would divide
                     # the replica's own value, and results would share its memory.

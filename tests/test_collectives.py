@@ -191,6 +191,24 @@ async def test_an_accumulation_fn_returning_an_input_changes_no_replica_value(op
     np.testing.assert_array_equal(inputs[0], [2.0] * 3)
 
 
+@pytest.mark.parametrize(
+    "value", [np.ones(5), [np.ones(2), np.ones(3)], [np.ones((2, 2)), np.ones(3)]]
+)
+async def test_an_accumulation_fn_returning_another_shape_is_refused(value):
+    # Batched leaves used to be cut silently from its result (short, or a confusing
+    # reshape error), and a single array's result came back in its shape.
+    ops = aiodist.ReductionToOneDevice(accumulation_fn=lambda values: values[0][:3] * 2)
+    strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:1"], cross_device_ops=ops)
+
+    async def fn():
+        return await aiodist.get_replica_context().all_reduce("sum", value)
+
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"accumulation_fn=.* returned a value"):
+        await strategy.run(fn)
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"of shape \(3,\) for 2 values"):
+        await strategy.reduce("sum", aiodist.PerReplica([np.ones(5), np.ones(5)]), axis=None)
+
+
 class _CountingOps(aiodist.ReductionToOneDevice):
     """Cross-device ops with their own batched all-reduce (as NcclAllReduce has),
     delegating to the inherited one."""
