@@ -86,6 +86,20 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
+def _unreferenced_count() -> int:
+    """What ``sys.getrefcount`` gives, in ``_Buffers.take``'s loop, for a buffer that
+    only its bucket holds: measured with the same pattern, not assumed (3 through
+    Python 3.13: the bucket, the loop variable, the call's argument; later versions
+    may not count a local variable's reference, gh-130704)."""
+    bucket = [np.empty(0)]
+    for buffer in bucket:
+        return sys.getrefcount(buffer)
+    raise AssertionError("unreachable")
+
+
+_UNREFERENCED = _unreferenced_count()
+
+
 class _Buffers:
     """Result buffers by (shape, dtype), reused once nothing refers to them."""
 
@@ -96,9 +110,9 @@ class _Buffers:
     def take(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
         bucket = self._free.setdefault((shape, dtype.str), [])
         for buffer in bucket:
-            # References: the bucket, this loop variable, getrefcount's argument.
-            # Anything more is a result view someone still holds.
-            if sys.getrefcount(buffer) == 3:
+            # References: the bucket's, and what this loop and the call add (see
+            # _unreferenced_count). Anything more is a result view someone still holds.
+            if sys.getrefcount(buffer) == _UNREFERENCED:
                 if buffer.flags.writeable:
                     return buffer
                 bucket.remove(buffer)  # someone froze it: never hand it out again
