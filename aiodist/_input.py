@@ -286,12 +286,14 @@ class _Pipeline:
         self._free = asyncio.Semaphore(depth)
         self._ready: deque = deque()
         self._finished = False  # an "end" or "error" entry was pushed
+        self._started = False
         self._waiters: list[asyncio.Future] = []
         self.task = asyncio.get_running_loop().create_task(self._produce())
 
     async def _produce(self) -> None:
+        self._started = True
         try:
-            while True:
+            while not self._finished:  # (cancel() before the first step finishes it)
                 await self._free.acquire()
                 tracer = _trace.active
                 start, lane = (tracer.now(), tracer.take_input_lane()) if tracer else (0.0, 0)
@@ -343,7 +345,14 @@ class _Pipeline:
         raise StopAsyncIteration
 
     def cancel(self) -> None:
-        if not self.task.done():
+        """Stop: batches fetched ahead are dropped and every consumer sees the end
+        now. The producer closes the source; one cancelled before its first step
+        would never run its ``finally``, so that one is left to start, see the
+        end and only close the source."""
+        producing = not self._finished  # else it ended, failed or was stopped: closing
+        self._ready.clear()
+        self._push(("end", None))
+        if producing and self._started:
             self.task.cancel()
 
 
@@ -354,12 +363,15 @@ class DistributedIterator:
         self._dataset = dataset
         self._pipeline: _Pipeline | None = None
         self._sync_source: _Source | None = None
+        self._closed = False  # aclose() was called: the iteration is over
 
     # async iteration, prefetched
     def __aiter__(self) -> DistributedIterator:
         return self
 
     async def __anext__(self) -> Any:
+        if self._closed:  # as an async generator after aclose()
+            raise StopAsyncIteration
         if self._pipeline is None:
             dataset = self._dataset  # the pipeline must not reference this iterator
             source = dataset._open()
@@ -371,7 +383,10 @@ class DistributedIterator:
         return await self._pipeline.get()
 
     async def aclose(self) -> None:
-        """Stop prefetching and close the source; waits until the producer is done."""
+        """Stop prefetching and close the source; waits until the producer is done.
+        The iteration is over: batches fetched ahead are dropped, and ``anext``
+        raises ``StopAsyncIteration`` (in a consumer waiting for one, too)."""
+        self._closed = True
         if self._pipeline is not None:
             self._pipeline.cancel()
             await asyncio.gather(self._pipeline.task, return_exceptions=True)

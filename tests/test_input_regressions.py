@@ -7,6 +7,8 @@ import asyncio
 import numpy as np
 import pytest
 
+import aiodist
+
 pytestmark = pytest.mark.timeout(10)
 
 
@@ -84,3 +86,37 @@ async def test_distributing_a_dataset_opens_it_only_when_iterated(two, how):
     # PER_WORKER (from_function) gives each replica an element of its own.
     assert len(batches) == (1 if how == "from_function" else 2)
     assert [source.opened for source in sources] == [1] * len(sources)
+
+
+def _producers() -> list[asyncio.Task]:
+    return [t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "_Pipeline._produce"]
+
+
+async def test_aclose_before_the_producer_first_runs_ends_a_waiting_consumer(two):
+    """aclose() in the loop step in which a consumer opened the pipeline: the
+    producer, cancelled before its first step, never ran its ``finally``, so the
+    consumer waited forever."""
+    source = (np.full(2, i) for i in range(100))
+    iterator = aiter(two.experimental_distribute_dataset(source))
+    consumer = asyncio.create_task(anext(iterator))
+    await asyncio.sleep(0)  # the consumer opens the pipeline and waits for a batch
+    await iterator.aclose()
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(consumer, 2)
+    assert not _producers()
+    assert source.gi_frame is None  # closed
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["after-first", "before-first"])
+async def test_aclose_is_final_and_drops_batches_fetched_ahead(two, first):
+    options = aiodist.InputOptions(experimental_per_replica_buffer_size=3)
+    batches = [np.full(2, i) for i in range(10)]
+    iterator = aiter(two.experimental_distribute_dataset(batches, options))
+    if first:
+        await anext(iterator)
+        for _ in range(10):  # the producer fetches ahead
+            await asyncio.sleep(0)
+    await iterator.aclose()
+    with pytest.raises(StopAsyncIteration):
+        await anext(iterator)
+    assert not _producers()
