@@ -120,3 +120,27 @@ async def test_aclose_is_final_and_drops_batches_fetched_ahead(two, first):
     with pytest.raises(StopAsyncIteration):
         await anext(iterator)
     assert not _producers()
+
+
+@pytest.mark.parametrize("how", ["for", "async for"])
+async def test_shards_every_source_shares_are_still_per_replica(two, how):
+    """PER_REPLICA sources yielding the same objects (one batch repeated): a plain
+    ``for`` gave the bare array (one local result, not reducible with SUM)."""
+    batch, weights = np.ones((2, 3)), np.arange(2.0)
+    options = aiodist.InputOptions(experimental_replication_mode="PER_REPLICA")
+
+    def dataset_fn(context):
+        own = np.full(2, float(context.input_pipeline_id))
+        return [(batch, {"own": own, "weights": weights})] * 2
+
+    dataset = two.distribute_datasets_from_function(dataset_fn, options)
+    elements = [e for e in dataset] if how == "for" else [e async for e in dataset]
+    assert len(elements) == 2
+    x, extra = elements[0]
+    for value, expected in ((x, batch), (extra["weights"], weights)):
+        assert isinstance(value, aiodist.PerReplica)
+        for got in two.experimental_local_results(value):
+            np.testing.assert_array_equal(got, expected)
+    own = two.experimental_local_results(extra["own"])
+    assert [float(o[0]) for o in own] == [0.0, 1.0]
+    np.testing.assert_array_equal(await two.reduce("sum", x, axis=None), 2 * batch)
