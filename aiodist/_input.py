@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import inspect
 import operator
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -589,6 +590,17 @@ def from_function(
         world = strategy._world
         workers, rank = (1, 0) if world is None else (world.size, world.rank)
         iterables = [dataset_fn(InputContext(workers, rank, n))]
+    awaitables = [it for it in iterables if inspect.isawaitable(it)]
+    if awaitables:
+        for awaitable in awaitables:
+            if hasattr(awaitable, "close"):  # (no "never awaited" warning)
+                awaitable.close()
+        raise InvalidArgumentError(
+            f"distribute_datasets_from_function: dataset_fn={dataset_fn!r} returned an "
+            "awaitable; it is called, not awaited, so it must be a plain function "
+            "(def, not async def) returning an iterable or async iterable of batches "
+            "(an async generator is one)."
+        )
     return DistributedDataset(
         strategy,
         iterables,

@@ -9,6 +9,7 @@ strategy serves any number of concurrent runs and outlives event loops.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -404,9 +405,18 @@ class Strategy:
             token = slot.backend.activate(slot.device, slot.stream)
             try:
                 replica_id = self._replica_offset + slot.replica_id
-                values.append(value_fn(ValueContext(replica_id, n)))
+                value = value_fn(ValueContext(replica_id, n))
             finally:
                 slot.backend.deactivate(token)
+            if inspect.isawaitable(value):
+                if hasattr(value, "close"):  # (no "never awaited" warning)
+                    value.close()
+                raise InvalidArgumentError(
+                    f"experimental_distribute_values_from_function: value_fn={value_fn!r} "
+                    "returned an awaitable; it is called once per replica, not awaited, so "
+                    "it must be a plain function (def, not async def) returning the value."
+                )
+            values.append(value)
         return values[0] if len(values) == 1 else PerReplica(values, self._devices)
 
     def experimental_distribute_dataset(

@@ -144,3 +144,24 @@ async def test_shards_every_source_shares_are_still_per_replica(two, how):
     own = two.experimental_local_results(extra["own"])
     assert [float(o[0]) for o in own] == [0.0, 1.0]
     np.testing.assert_array_equal(await two.reduce("sum", x, axis=None), 2 * batch)
+
+
+def test_an_async_value_fn_is_refused_at_the_call(two):
+    """An ``async def value_fn`` gave a PerReplica of never-awaited coroutines,
+    failing later, somewhere else (and warning "never awaited")."""
+
+    async def value_fn(context):
+        return np.full(2, context.replica_id_in_sync_group)
+
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"value_fn=.* returned an awaitable"):
+        two.experimental_distribute_values_from_function(value_fn)
+
+
+@pytest.mark.parametrize("mode", ["PER_WORKER", "PER_REPLICA"])
+def test_an_async_dataset_fn_is_refused_naming_the_remedy(two, mode):
+    async def dataset_fn(context):
+        return [np.arange(4.0)]
+
+    options = aiodist.InputOptions(experimental_replication_mode=mode)
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"returned an awaitable.*not async def"):
+        two.distribute_datasets_from_function(dataset_fn, options)
