@@ -162,14 +162,17 @@ class InputContext:
 # -- splitting -----------------------------------------------------------------------
 
 
-def _leaf_arrays(element: object, where: str) -> list:
+def _leaf_arrays(
+    element: object,
+    where: str,
+    needs: str = "every leaf of a global batch must be an array whose axis 0 is the batch",
+) -> list:
     arrays = []
     for leaf in _nest.flatten(element):
         array = leaf if hasattr(leaf, "shape") and hasattr(leaf, "dtype") else np.asarray(leaf)
         if array.ndim == 0:
             raise InvalidArgumentError(
-                f"{where}: a rank-0 value ({leaf!r}) has no batch axis; every leaf of a "
-                "global batch must be an array whose axis 0 is the batch."
+                f"{where}: a rank-0 value ({leaf!r}) has no batch axis; {needs}."
             )
         arrays.append(array)
     return arrays
@@ -561,8 +564,16 @@ class _Sources:
                 shards = []
         if not shards:
             return False, None
+        if len(shards) == num_replicas and all(s is not None for s in shards):
+            return True, shards  # elements as dataset_fn made them, batched or not (as TF)
         template = next(s for s in shards if s is not None)
-        _leaf_arrays(template, "distribute_datasets_from_function")
+        _leaf_arrays(
+            template,
+            "distribute_datasets_from_function",
+            "a replica whose source has run out gets an empty batch (axis 0 of length 0) "
+            "while another replica still gets an element, so every leaf of an element "
+            "must then have a batch axis",
+        )
         shards = [s if s is not None else _empty_like(template) for s in shards]
         shards += [_empty_like(template)] * (num_replicas - len(shards))
         return True, shards

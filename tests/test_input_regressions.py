@@ -165,3 +165,25 @@ def test_an_async_dataset_fn_is_refused_naming_the_remedy(two, mode):
     options = aiodist.InputOptions(experimental_replication_mode=mode)
     with pytest.raises(aiodist.InvalidArgumentError, match=r"returned an awaitable.*not async def"):
         two.distribute_datasets_from_function(dataset_fn, options)
+
+
+@pytest.mark.parametrize("mode", ["PER_WORKER", "PER_REPLICA"])
+async def test_from_function_elements_need_no_batch_axis_unless_one_is_padded(two, mode):
+    """distribute_datasets_from_function batches and splits nothing (as TF), so an
+    element may hold rank-0 values; only an empty batch for a replica whose source
+    ran out needs axis 0. Every such element was refused as a "global batch"."""
+    options = aiodist.InputOptions(experimental_replication_mode=mode)
+
+    def dataset_fn(context):
+        return [{"x": np.ones((2, 1)), "step": np.int64(i)} for i in range(4)]
+
+    dataset = two.distribute_datasets_from_function(dataset_fn, options)
+    steps = [[int(s) for s in two.experimental_local_results(e["step"])] async for e in dataset]
+    assert steps == ([[0, 1], [2, 3]] if mode == "PER_WORKER" else [[i, i] for i in range(4)])
+
+    def uneven(context):
+        return [np.float32(i) for i in range(3 if context.input_pipeline_id == 0 else 1)]
+
+    dataset = two.distribute_datasets_from_function(uneven, options)
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"rank-0 .* gets an empty batch"):
+        [e async for e in dataset]
