@@ -389,11 +389,16 @@ class DistributedIterator:
     async def aclose(self) -> None:
         """Stop prefetching and close the source; waits until the producer is done.
         The iteration is over: batches fetched ahead are dropped, and ``anext``
-        raises ``StopAsyncIteration`` (in a consumer waiting for one, too)."""
+        raises ``StopAsyncIteration`` (in a consumer waiting for one, too). An
+        error raised while closing the source is raised here (once), as an async
+        generator's ``aclose()`` raises it."""
+        first = not self._closed
         self._closed = True
         if self._pipeline is not None:
             self._pipeline.cancel()
-            await asyncio.gather(self._pipeline.task, return_exceptions=True)
+            [outcome] = await asyncio.gather(self._pipeline.task, return_exceptions=True)
+            if first and isinstance(outcome, Exception):  # (not the CancelledError)
+                raise outcome
 
     async def __aenter__(self) -> DistributedIterator:
         return self

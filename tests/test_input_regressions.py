@@ -187,3 +187,23 @@ async def test_from_function_elements_need_no_batch_axis_unless_one_is_padded(tw
     dataset = two.distribute_datasets_from_function(uneven, options)
     with pytest.raises(aiodist.InvalidArgumentError, match=r"rank-0 .* gets an empty batch"):
         [e async for e in dataset]
+
+
+async def test_aclose_raises_what_closing_the_source_raised(two):
+    """aclose() waited for the producer with gather(return_exceptions=True) and
+    dropped the error of the source's own cleanup."""
+    failure = OSError("could not release the reader")
+
+    async def source():
+        try:
+            for i in range(10):
+                yield np.full(2, i)
+        finally:
+            raise failure
+
+    with pytest.raises(OSError) as info:
+        async with aiter(two.experimental_distribute_dataset(source())) as iterator:
+            await anext(iterator)
+    assert info.value is failure
+    await iterator.aclose()  # once: a second aclose() has nothing more to report
+    assert not _producers()
