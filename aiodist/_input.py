@@ -445,6 +445,13 @@ class DistributedDataset:
         self._source_iterable = source_iterable
         self._per_replica_sources = per_replica_sources  # from_function: see _open
         self._slots: Sequence[ReplicaSlot] = strategy._slots
+        mode = self._options.experimental_replication_mode
+        if not per_replica_sources and mode is InputReplicationMode.PER_REPLICA:
+            raise InvalidArgumentError(
+                f"{where}: options.experimental_replication_mode=PER_REPLICA is only for "
+                "distribute_datasets_from_function, which calls dataset_fn once per replica "
+                "(as in TF); experimental_distribute_dataset splits each global batch."
+            )
         # Validated now, to fail at the call rather than at the first batch.
         for iterable in source_iterable if per_replica_sources else [source_iterable]:
             _check_iterable(iterable, where)

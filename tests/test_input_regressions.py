@@ -207,3 +207,20 @@ async def test_aclose_raises_what_closing_the_source_raised(two):
     assert info.value is failure
     await iterator.aclose()  # once: a second aclose() has nothing more to report
     assert not _producers()
+
+
+def test_distribute_dataset_refuses_per_replica_mode_as_tf_does(two):
+    """PER_REPLICA (and place_dataset_on_device, which needs it) was silently
+    ignored: each global batch was still split across the replicas."""
+    per_replica = aiodist.InputOptions(experimental_replication_mode="PER_REPLICA")
+    on_device = aiodist.InputOptions(
+        experimental_replication_mode="PER_REPLICA",
+        experimental_place_dataset_on_device=True,
+        experimental_fetch_to_device=False,
+    )
+    for options in (per_replica, on_device):
+        with pytest.raises(
+            aiodist.InvalidArgumentError, match=r"PER_REPLICA is only for distribute_datasets_from"
+        ):
+            two.experimental_distribute_dataset([np.arange(4.0)], options)
+    two.distribute_datasets_from_function(lambda context: [np.arange(2.0)], per_replica)
