@@ -20,13 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import chain
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import _nest
+from ._devices import Device, parse_device
 from ._errors import InvalidArgumentError
-
-if TYPE_CHECKING:
-    from ._devices import Device
 
 __all__ = [
     "DistributedValues",
@@ -46,7 +44,7 @@ class DistributedValues:
 
     __slots__ = ("_devices", "_values")
 
-    def __init__(self, values: Sequence[object], devices: Sequence[Device] | None = None):
+    def __init__(self, values: Sequence[object], devices: Sequence[str | Device] | None = None):
         if type(self) is DistributedValues:
             raise TypeError("DistributedValues is abstract; use PerReplica or Mirrored.")
         if isinstance(values, str) or not isinstance(values, Sequence) or not values:
@@ -62,6 +60,11 @@ class DistributedValues:
                     f"{type(self).__name__}: {len(self._values)} values but "
                     f"{len(devices)} devices; expected one device per value."
                 )
+            # Device strings ("cpu:1", "/gpu:0") as Device objects: what the devices
+            # property shows canonically and destinations resolve. (Strategies pass
+            # Device objects: one type test each.)
+            if not _nest.all_of_type(devices, Device):
+                devices = tuple(map(parse_device, devices))
         self._devices = devices
 
     @classmethod

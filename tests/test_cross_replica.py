@@ -427,6 +427,20 @@ def test_distributed_values_construction_errors():
         aiodist.PerReplica([])
     with pytest.raises(ValueError, match=r"2 values but 1 devices"):
         aiodist.Mirrored([1, 2], devices=[aiodist.Device("CPU", 0)])
+    with pytest.raises(aiodist.DeviceError, match=r"'tpu:1' is not understood"):
+        aiodist.PerReplica([1, 2], devices=["cpu:0", "tpu:1"])
+
+
+async def test_distributed_values_made_with_device_strings(two):
+    """PerReplica/Mirrored given device strings hold them canonically (SPEC §1), and
+    serve as values and destinations of reduce_to like a strategy's own."""
+    value = aiodist.PerReplica([np.array(1.0), np.array(2.0)], ["cpu:0", "/cpu:1"])
+    assert value.devices == ("/device:CPU:0", "/device:CPU:1")
+    assert aiodist.Mirrored([1, 1], ("/device:CPU:0", "CPU:1")).devices == value.devices
+    reduced = await two.extended.reduce_to("sum", value, destinations=value)
+    assert reduced.devices == value.devices
+    assert [float(v) for v in two.experimental_local_results(reduced)] == [3.0, 3.0]
+    assert float(await two.extended.reduce_to("sum", value, destinations="cpu:0")) == 3.0
 
 
 async def test_broadcast_never_shares_the_callers_memory(two):
