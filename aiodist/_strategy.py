@@ -13,6 +13,7 @@ import inspect
 import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -454,7 +455,9 @@ class Strategy:
             return tuple(value._aiodist_local_results())
         if _nest.is_nested(value):
             n = len(self._slots)  # this process's replicas
-            return tuple(select_replica(i, value, n) for i in range(n))
+            return tuple(
+                _nest.map_structure(partial(_local_component, i, n), value) for i in range(n)
+            )
         return (value,)
 
     # -- cross-replica API --------------------------------------------------------------
@@ -624,6 +627,17 @@ class Strategy:
             yield
         finally:
             backend.order_replicas_after(self._slots)
+
+
+def _local_component(replica_id: int, num_replicas: int, leaf: Any) -> Any:
+    """``experimental_local_results``' pick from one leaf of a structure: replica
+    ``replica_id``'s component of a distributed value, its copy of a variable with
+    one copy per replica (as TF, whose variables are distributed values), else the
+    leaf itself."""
+    if hasattr(leaf, "_aiodist_local_results"):
+        copies = leaf._aiodist_local_results()
+        return copies[replica_id] if len(copies) == num_replicas else leaf
+    return select_replica(replica_id, leaf, num_replicas)
 
 
 def _local_parts(op: ReduceOp, parts: list, axis: Any) -> tuple[list, int]:

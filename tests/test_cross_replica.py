@@ -420,6 +420,20 @@ def test_local_results_of_plain_and_nested_values(two):
     assert two.experimental_local_results(nested) == ({"a": 1, "b": "same"}, {"a": 2, "b": "same"})
 
 
+def test_local_results_of_a_structure_holding_variables(two):
+    """As in TF (whose variables are distributed values), each replica's structure
+    holds that replica's copy of a variable, as for the variable on its own."""
+    with two.scope():
+        v = aiodist.Variable(np.arange(2.0))
+    plain = aiodist.Variable(np.float32(5.0))  # outside any scope: not distributed
+    alone = two.experimental_local_results(v)
+    local = two.experimental_local_results({"v": v, "p": aiodist.PerReplica([1, 2]), "w": plain})
+    assert [part["p"] for part in local] == [1, 2]
+    for part, copy in zip(local, alone, strict=True):
+        assert part["v"] is copy
+        assert part["w"] is plain
+
+
 def test_distributed_values_construction_errors():
     with pytest.raises(TypeError, match=r"abstract"):
         aiodist.DistributedValues([1])
