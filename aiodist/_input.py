@@ -43,7 +43,7 @@ from . import _nest, _trace
 from ._backends import is_cupy_array
 from ._checks import member, options_or_default, whole_number
 from ._errors import InvalidArgumentError
-from ._values import PerReplica, regroup
+from ._values import regroup_wrapping_every_leaf
 
 if TYPE_CHECKING:
     from ._scheduler import ReplicaSlot
@@ -506,22 +506,10 @@ class DistributedDataset:
                 _nest.map_structure(lambda a, s=slot: _placed(a, s, to_device, detach), shard)
                 for slot, shard in zip(self._slots, shards, strict=True)
             ]
-        # One shard is returned as it is (regroup of a single value).
+        # One shard is returned as it is. An object every shard shares (sources
+        # yielding one batch, read by a plain `for`) is a PerReplica too, as in TF.
         devices = tuple(slot.device for slot in self._slots)
-        element = regroup(shards, devices, what="yielded")
-        if len(shards) == 1 or type(element) is PerReplica:
-            return element
-        # regroup keeps an object that every shard shares (sources yielding one
-        # batch, read by a plain `for`) as one value; an element is PerReplica in
-        # every leaf, as in TF, so it reduces and has one local result per replica.
-        return _nest.map_structure(
-            lambda leaf: (
-                leaf
-                if isinstance(leaf, PerReplica)
-                else PerReplica._make((leaf,) * len(devices), devices)
-            ),
-            element,
-        )
+        return regroup_wrapping_every_leaf(shards, devices, what="yielded")
 
 
 def _placed(array: Any, slot: ReplicaSlot, to_device: bool, detach: bool) -> Any:

@@ -51,6 +51,7 @@ from ._values import (
     PerReplica,
     copies_of,
     refuse_structure,
+    regroup_wrapping_every_leaf,
     select_replica,
 )
 
@@ -387,6 +388,11 @@ class Strategy:
     ) -> Any:
         """A ``PerReplica`` of ``value_fn(ValueContext(i, n))`` for each replica i.
 
+        When ``value_fn`` returns a nested structure (lists, tuples, namedtuples,
+        dicts), the result is that structure with a ``PerReplica`` at each leaf, as
+        TF's is and as a distributed dataset's batches are; the replicas' structures
+        must nest alike.
+
         Examples:
             >>> import aiodist
             >>> strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:1"])
@@ -418,7 +424,11 @@ class Strategy:
                     "it must be a plain function (def, not async def) returning the value."
                 )
             values.append(value)
-        return values[0] if len(values) == 1 else PerReplica(values, self._devices)
+        if len(values) == 1:
+            return values[0]
+        if any(map(_nest.is_nested, values)):
+            return regroup_wrapping_every_leaf(values, self._devices, what="received from value_fn")
+        return PerReplica(values, self._devices)
 
     def experimental_distribute_dataset(
         self, dataset: Any, options: InputOptions | None = None

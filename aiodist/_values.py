@@ -324,6 +324,27 @@ def regroup(
     return _regroup_nested(values, devices, what, path)
 
 
+def regroup_wrapping_every_leaf(
+    values: Sequence[object], devices: Sequence[Device], *, what: str
+) -> object:
+    """``regroup``, with a ``PerReplica`` at every leaf, a leaf that is one object on
+    every replica included (TF's ``always_wrap``): what a distributed dataset's
+    elements and ``experimental_distribute_values_from_function``'s structures are,
+    so each leaf reduces and has one local result per replica."""
+    merged = regroup(values, devices, what=what)
+    if len(values) == 1 or type(merged) is PerReplica:
+        return merged
+    devices = tuple(devices)
+    shared = (len(values), devices)
+
+    def wrap(leaf: object) -> object:
+        if isinstance(leaf, PerReplica):
+            return leaf
+        return PerReplica._make((leaf,) * shared[0], shared[1])
+
+    return _nest.map_structure(wrap, merged)
+
+
 def _regroup_nested(values: Sequence[object], devices: Any, what: str, path: str) -> object:
     """``regroup`` of values some of which nest containers: all must nest alike.
 

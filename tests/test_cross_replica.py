@@ -414,6 +414,39 @@ def test_distribute_values_from_function(strategy, num_replicas):
         assert "PerReplica:{" in repr(values) and "1: 10" in repr(values)
 
 
+async def test_distribute_values_from_function_of_structures(two):
+    """A value_fn returning a structure gives that structure of PerReplica leaves, as
+    TF's (regroup with always_wrap) and as distributed datasets' batches: each leaf
+    reduces on its own, a shared leaf is wrapped too, and it unwraps in run."""
+    shared = np.ones(2)
+    values = two.experimental_distribute_values_from_function(
+        lambda ctx: {"x": np.arange(2.0) + 2 * ctx.replica_id_in_sync_group, "c": [shared]}
+    )
+    assert isinstance(values, dict) and isinstance(values["c"], list)
+    assert isinstance(values["x"], aiodist.PerReplica)
+    assert values["x"].devices == ("/device:CPU:0", "/device:CPU:1")
+    assert isinstance(values["c"][0], aiodist.PerReplica)
+    assert values["c"][0].values == (shared, shared)
+    assert float(await two.reduce("sum", values["x"], axis=0)) == 6.0
+    local = two.experimental_local_results(values)
+    np.testing.assert_array_equal(local[1]["x"], [2.0, 3.0])
+    assert local[0]["c"][0] is shared
+
+    pairs = two.experimental_distribute_values_from_function(
+        lambda ctx: (ctx.replica_id_in_sync_group, 10)
+    )
+    assert isinstance(pairs, tuple)
+
+    async def add(a, b):
+        return a + b
+
+    assert two.experimental_local_results(await two.run(add, args=pairs)) == (10, 11)
+    with pytest.raises(ValueError, match=r"replicas received from value_fn different structures"):
+        two.experimental_distribute_values_from_function(
+            lambda ctx: [1] * (ctx.replica_id_in_sync_group + 1)
+        )
+
+
 def test_local_results_of_plain_and_nested_values(two):
     assert two.experimental_local_results(5) == (5,)
     nested = {"a": aiodist.PerReplica([1, 2]), "b": "same"}
