@@ -19,9 +19,8 @@ unlike TensorFlow's thread-local stacks, nothing leaks between coroutines.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from ._errors import ContextError
@@ -35,6 +34,7 @@ __all__ = [
     "IN_SCOPE",
     "REPLICA",
     "STRATEGY",
+    "Scope",
     "current_replica",
     "current_state",
     "experimental_set_strategy",
@@ -154,13 +154,58 @@ def _mixing(current: Strategy, other: Strategy) -> ContextError:
     )
 
 
-@contextmanager
-def scope_of(strategy: Strategy) -> Iterator[Strategy]:
+def scope_of(strategy: Strategy) -> Scope:
     """``strategy.scope()``: make it current and enter cross-replica context.
 
     Re-entering the current strategy (in its scope or in one of its replica
     functions) changes nothing; entering a different one raises ``ContextError``.
     """
+    return Scope(strategy)
+
+
+class Scope:
+    """What ``strategy.scope()`` returns. As TF's, one object may be entered again
+    inside its own ``with`` block (and after it): each entry's token is kept, with
+    the task that entered it, until that task leaves the block."""
+
+    __slots__ = ("_entries", "_strategy")
+
+    def __init__(self, strategy: Strategy):
+        self._strategy = strategy
+        self._entries: list[tuple[Any, contextvars.Token | None]] = []
+
+    def __repr__(self) -> str:
+        return f"<scope of {self._strategy!r}, entered {len(self._entries)} time(s)>"
+
+    def __enter__(self) -> Strategy:
+        self._entries.append((_current_task(), _enter_scope(self._strategy)))
+        return self._strategy
+
+    def __exit__(self, *exc_info: object) -> None:
+        task = _current_task()
+        # The latest entry of this task: tasks sharing one scope object leave it in
+        # any order.
+        for i in range(len(self._entries) - 1, -1, -1):
+            if self._entries[i][0] is task:
+                token = self._entries.pop(i)[1]
+                break
+        else:  # (a with statement cannot leave what it did not enter)
+            raise ContextError(f"{self!r} was left by a task that did not enter it.")
+        if token is not None:
+            _STATE.reset(token)
+
+
+def _current_task() -> Any:
+    """The running asyncio task; None outside one (synchronous code)."""
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no running event loop
+        return None
+
+
+def _enter_scope(strategy: Strategy) -> contextvars.Token | None:
+    """Enter ``strategy``'s scope: the token that undoes it, None when it changes
+    nothing (re-entry, or the default strategy where no other is current)."""
     state = _STATE.get()
     current = state[STRATEGY]
     if current is not strategy:
@@ -170,21 +215,11 @@ def scope_of(strategy: Strategy) -> Iterator[Strategy]:
         raise _mixing(current, strategy)  # TF: scopes must not nest
     if default or current is strategy:
         if current is strategy and not state[IN_SCOPE]:
-            token = _STATE.set((current, state[REPLICA], True, state[GROUP]))
-            try:
-                yield strategy
-            finally:
-                _STATE.reset(token)
-        else:
-            yield strategy
-        return
+            return _STATE.set((current, state[REPLICA], True, state[GROUP]))
+        return None
     if current is not None:
         raise _mixing(current, strategy)
-    token = _STATE.set((strategy, None, True, None))
-    try:
-        yield strategy
-    finally:
-        _STATE.reset(token)
+    return _STATE.set((strategy, None, True, None))
 
 
 def require_cross_replica(strategy: Strategy | None, method: str) -> None:

@@ -62,6 +62,41 @@ def test_scope_enters_cross_replica_context(two):
     assert not aiodist.has_strategy()
 
 
+def test_one_scope_object_entered_inside_itself_and_again(two):
+    """As TF's: the object scope() returns may be entered inside its own block."""
+    scope = two.scope()
+    with scope as entered:
+        with scope:
+            assert entered is two and aiodist.get_strategy() is two
+        assert aiodist.in_cross_replica_context()
+    assert not aiodist.has_strategy()
+    with scope:
+        assert aiodist.get_strategy() is two
+    assert not aiodist.has_strategy()
+
+
+async def test_one_scope_object_shared_by_tasks_leaving_in_any_order(two):
+    scope = two.scope()
+    first_in, second_out = asyncio.Event(), asyncio.Event()
+
+    async def first():
+        with scope:
+            first_in.set()
+            await second_out.wait()
+            assert aiodist.get_strategy() is two
+        return aiodist.has_strategy()
+
+    async def second():
+        await first_in.wait()
+        with scope:
+            assert aiodist.get_strategy() is two
+        second_out.set()
+        return aiodist.has_strategy()
+
+    assert await asyncio.gather(first(), second()) == [False, False]
+    assert not aiodist.has_strategy()
+
+
 def test_mixing_strategies_raises(two, three):
     default = aiodist.get_strategy()
     with two.scope():
