@@ -502,14 +502,31 @@ class DistributedDataset:
     def _place(self, shards: list, detach: bool) -> Any:
         to_device = self._options.experimental_fetch_to_device
         if to_device or detach:
+            if self._slots[0].backend.needs_activation:
+                # GPUs: each replica's stream first waits for the work queued on its
+                # device's current stream (where the source's arrays may have been
+                # made); _placed_shard then issues the shard's copies on it.
+                self._slots[0].backend.order_replicas_after(self._slots)
             shards = [
-                _nest.map_structure(lambda a, s=slot: _placed(a, s, to_device, detach), shard)
+                _placed_shard(shard, slot, to_device, detach)
                 for slot, shard in zip(self._slots, shards, strict=True)
             ]
         # One shard is returned as it is. An object every shard shares (sources
         # yielding one batch, read by a plain `for`) is a PerReplica too, as in TF.
         devices = tuple(slot.device for slot in self._slots)
         return regroup_wrapping_every_leaf(shards, devices, what="yielded")
+
+
+def _placed_shard(shard: Any, slot: ReplicaSlot, to_device: bool, detach: bool) -> Any:
+    """A replica's shard, each leaf placed (``_placed``) with the replica's device
+    and stream current: on a GPU, the copies are ordered before the replica's later
+    work, and their memory comes from the pool of the stream that uses and frees it
+    (CuPy reuses freed memory only on the stream it was allocated on)."""
+    token = slot.backend.activate(slot.device, slot.stream)
+    try:
+        return _nest.map_structure(lambda a: _placed(a, slot, to_device, detach), shard)
+    finally:
+        slot.backend.deactivate(token)
 
 
 def _placed(array: Any, slot: ReplicaSlot, to_device: bool, detach: bool) -> Any:

@@ -326,6 +326,26 @@ def test_a_device_error_is_raised_not_hung():
     assert "cudaErrorIllegalAddress" in done.stdout
 
 
+async def test_dataset_batches_made_on_the_current_stream_reach_the_replicas_in_order():
+    """A batch the source made with a slow kernel on the thread's current stream: each
+    replica's stream waits for it before reading its shard (replica streams are
+    non-blocking, so nothing orders them after the default stream by itself)."""
+    strategy = _shared(2)
+    cycles = _cycles(0.2)
+
+    def batches():
+        x = cupy.zeros(4, cupy.float32)
+        _slow_set(x, 7.0, cycles)  # x[0] = 7, 0.2 s after it starts
+        yield x
+
+    async def fn(shard):
+        return float(shard.get().sum())  # (get: on this replica's stream)
+
+    async for batch in strategy.experimental_distribute_dataset(batches()):
+        result = await strategy.run(fn, args=(batch,))
+        assert strategy.experimental_local_results(result) == (7.0, 0.0)
+
+
 async def test_a_mirrored_variable_on_a_shared_gpu_is_one_copy_ordered_for_every_replica():
     """SPEC 9: one copy per device. extended.update writes it on its first replica's
     stream; the other replica, reading it on its own stream, waits for that write."""
