@@ -34,6 +34,7 @@ never half-way (concurrent runs do not lose updates).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import inspect
 import operator
@@ -458,10 +459,21 @@ class Variable:
 
     def _write_copies(self, kind: str, parts: list) -> None:
         new = []
-        for device, old, part in zip(self._devices, self._values, parts, strict=True):
-            placed = backend_for(device).asarray(part, device)
-            new.append(_update_value(kind, old, placed, f"{self._name}.{kind}"))
-        self._values[:] = new  # all copies change together, or none does
+        with self._ordered():
+            for device, old, part in zip(self._devices, self._values, parts, strict=True):
+                placed = backend_for(device).asarray(part, device)
+                new.append(_update_value(kind, old, placed, f"{self._name}.{kind}"))
+            self._values[:] = new  # all copies change together, or none does
+
+    def _ordered(self) -> Any:
+        """A context manager around a cross-replica write of the copies: on GPUs the
+        current streams first wait for the replicas' queued work (which may still read
+        the old copies, whose memory is freed here), and the replicas' later work waits
+        for the write (see Strategy._cross_replica_order). Nothing to order for a
+        plain variable."""
+        if self._strategy is None:
+            return contextlib.nullcontext()
+        return self._strategy._cross_replica_order()
 
     def _per_copy(self, kind: str, value: Any) -> list:
         """What a cross-replica write gives each copy: a ``Mirrored`` value's own
@@ -659,11 +671,12 @@ class SyncOnReadVariable(Variable):
         world = self._strategy._world
         first = 0 if world is None or world.rank == 0 else None  # this worker's index of it
         new = []
-        for i, (device, old) in enumerate(zip(self._devices, self._values, strict=True)):
-            part = value if i == first else np.zeros_like(value)
-            placed = backend_for(device).asarray(part, device)
-            new.append(_update_value("assign", old, placed, f"{self._name}.restore"))
-        self._values[:] = new
+        with self._ordered():
+            for i, (device, old) in enumerate(zip(self._devices, self._values, strict=True)):
+                part = value if i == first else np.zeros_like(value)
+                placed = backend_for(device).asarray(part, device)
+                new.append(_update_value("assign", old, placed, f"{self._name}.restore"))
+            self._values[:] = new
 
     async def _write(self, kind: str, value: Any) -> Variable:
         index = self._replica_index()
