@@ -511,6 +511,13 @@ class DistributedDataset:
                 _placed_shard(shard, slot, to_device, detach)
                 for slot, shard in zip(self._slots, shards, strict=True)
             ]
+            if self._slots[0].backend.needs_activation:
+                # ... and the current streams' later work (the source's next element,
+                # perhaps written into the same buffer, or into memory CuPy's pool
+                # reuses once the source lets go of this one) waits for those copies.
+                # A shard on the source's own device is copied on the replica's
+                # stream only: nothing else orders the source's stream after it.
+                self._slots[0].backend.order_after_replicas(self._slots)
         # One shard is returned as it is. An object every shard shares (sources
         # yielding one batch, read by a plain `for`) is a PerReplica too, as in TF.
         devices = tuple(slot.device for slot in self._slots)

@@ -346,6 +346,38 @@ async def test_dataset_batches_made_on_the_current_stream_reach_the_replicas_in_
         assert strategy.experimental_local_results(result) == (7.0, 0.0)
 
 
+async def test_a_source_refilling_one_buffer_leaves_prefetched_batches_alone():
+    """A source writing every element into one buffer on the thread's current stream
+    (as data loaders do): each batch's shards are copied on the replicas' streams,
+    queued here behind a slow kernel, and the source's next write must wait for
+    those copies (nothing orders the default stream after non-blocking streams)."""
+    strategy = _shared(2)
+    cycles = _cycles(0.2)
+
+    async def busy():
+        _slow_set(cupy.zeros(1, cupy.float32), 1.0, cycles)  # this stream busy 0.2 s
+
+    await strategy.run(busy)
+
+    def batches():
+        buffer = cupy.zeros(2, cupy.float32)
+        for value in (1.0, 2.0, 3.0):
+            buffer.fill(value)  # on the current stream, at once (it is idle)
+            yield buffer
+
+    async def fn(shard):
+        return shard  # (no get(): nothing here waits for the GPU)
+
+    results = [
+        await strategy.run(fn, args=(batch,))
+        async for batch in strategy.experimental_distribute_dataset(batches())
+    ]
+    with strategy.scope():
+        gathered = [await strategy.gather(result, axis=0) for result in results]
+    for value, got in zip((1.0, 2.0, 3.0), gathered, strict=True):
+        np.testing.assert_array_equal(got, [value, value])
+
+
 async def test_a_mirrored_variable_on_a_shared_gpu_is_one_copy_ordered_for_every_replica():
     """SPEC 9: one copy per device. extended.update writes it on its first replica's
     stream; the other replica, reading it on its own stream, waits for that write."""
