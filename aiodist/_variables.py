@@ -726,6 +726,34 @@ async def update(
     strategy = variable._strategy
     slots = strategy._slots if strategy is not None else None
     n = len(variable._copy_of)  # replicas: a Mirrored argument has a component for each
+    backend = slots[0].backend if slots else None
+    ordered = backend is not None and backend.needs_activation
+    if ordered:
+        # GPUs: fn runs on replica streams, which are non-blocking. They first wait for
+        # the current streams (where fn's arguments may have been made) and, through
+        # them, for every replica's queued work (which may still read the copies fn
+        # replaces, whose memory the pool may hand to fn's stream).
+        backend.order_after_replicas(slots)
+        backend.order_replicas_after(slots)
+    try:
+        results = _update_copies(variable, fn, args, kwargs, slots, n)
+    finally:
+        if ordered:
+            # The current streams' later work (which may reuse the arguments' memory,
+            # or read the copies) waits for what fn issued.
+            backend.order_after_replicas(slots)
+    if not group:
+        return tuple(results)
+    if n == 1:
+        return results[0]
+    # Per replica, as every distributed value (replicas sharing a copy share its result).
+    return Mirrored([results[c] for c in variable._copy_of], variable._replica_devices)
+
+
+def _update_copies(
+    variable: Variable, fn: Callable[..., Any], args: Any, kwargs: Any, slots: Any, n: int
+) -> list:
+    """``update``'s calls of ``fn``, one per copy, each on its first replica's stream."""
     results = []
     for copy, rid in zip(variable._copies(), variable._replica_of_copy, strict=True):
         # Each copy with the component, device and stream of its first replica.
@@ -754,9 +782,4 @@ async def update(
                 "a plain function (for example lambda copy, value: copy.assign(value))."
             )
         results.append(result)
-    if not group:
-        return tuple(results)
-    if n == 1:
-        return results[0]
-    # Per replica, as every distributed value (replicas sharing a copy share its result).
-    return Mirrored([results[c] for c in variable._copy_of], variable._replica_devices)
+    return results

@@ -378,6 +378,23 @@ async def test_a_source_refilling_one_buffer_leaves_prefetched_batches_alone():
         np.testing.assert_array_equal(got, [value, value])
 
 
+async def test_update_waits_for_its_arguments_made_on_the_current_stream():
+    """extended.update runs fn on a replica stream (non-blocking): it must first wait
+    for the current stream, where fn's argument is still being written."""
+    strategy = _shared(2)
+    with strategy.scope():
+        v = aiodist.Variable(np.zeros(1, np.float32), aggregation="sum")
+    value = cupy.zeros(1, cupy.float32)
+    _slow_set(value, 7.0, _cycles(0.2))  # on the thread's current stream
+    await strategy.extended.update(v, lambda copy, x: copy.assign(x), args=(value,))
+
+    async def read(var):
+        return float(var.read_value().get()[0])
+
+    result = await strategy.run(read, args=(v,))
+    assert strategy.experimental_local_results(result) == (7.0, 7.0)
+
+
 async def test_a_mirrored_variable_on_a_shared_gpu_is_one_copy_ordered_for_every_replica():
     """SPEC 9: one copy per device. extended.update writes it on its first replica's
     stream; the other replica, reading it on its own stream, waits for that write."""
