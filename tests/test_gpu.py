@@ -53,7 +53,10 @@ def _slow_set(x, value: float, cycles: int) -> None:
 
 
 def _cycles(seconds: float) -> int:
-    rate_khz = cupy.cuda.runtime.getDeviceProperties(0)["clockRate"]
+    # The attribute, not getDeviceProperties(0)["clockRate"]: that cudaDeviceProp
+    # field is deprecated (and, as far as known here, gone in CUDA 13).
+    runtime = cupy.cuda.runtime
+    rate_khz = runtime.deviceGetAttribute(runtime.cudaDevAttrClockRate, 0)
     return int(seconds * rate_khz * 1000)
 
 
