@@ -67,3 +67,17 @@ def test_nccl_apis_exist():
     assert "ndev (int)" in communicator.__doc__ and f"commId ({taken})" in communicator.__doc__
     assert "rank (int)" in communicator.__doc__
     assert hasattr(cupy.cuda.Device, "pci_bus_id")  # gpu_identities: one GPU, one name
+
+
+def test_nccl_version_under_warnings_as_errors():
+    """Without NCCL's library CuPy warns on importing cupy.cuda.nccl; under warnings
+    as errors (this project's pytest settings) nccl_version must still say None
+    rather than raise. (Where NCCL is installed this only checks the version.)"""
+    import subprocess
+    import sys
+
+    script = "import aiodist._cuda as c; print('VERSION', c.nccl_version())"
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and "VERSION " in done.stdout, done.stdout + done.stderr
