@@ -535,6 +535,11 @@ class RunGroup:
                 raise
         else:
             coroutines = self._coroutines(fn, args, kwargs, is_async, plain_args)
+            if not self._on_host:
+                # GPUs: the replicas' work waits for what the caller queued on the
+                # devices' current streams (the arguments may be made there); replica
+                # streams are non-blocking, so nothing else orders them after it.
+                self.slots[0].backend.order_replicas_after(self.slots)
         strategy._live_groups.add(self)
         # Without a custom task factory, building the Task directly is what
         # loop.create_task does, minus uvloop's separate set_name() call per task
@@ -589,6 +594,11 @@ class RunGroup:
             raise
         finally:
             self._finished = True
+            if not self._on_host:
+                # GPUs: the caller's later work on the current streams (reading the
+                # results; reusing the memory of arguments it drops) waits for the
+                # replicas' work.
+                self.slots[0].backend.order_after_replicas(self.slots)
             if len(tasks) < n:  # the task factory failed: a coroutine a task was given
                 for coro in coroutines:  # may still be unstarted, if the factory wrapped
                     _close_unstarted(coro)  # it in one of its own

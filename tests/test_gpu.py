@@ -329,6 +329,26 @@ def test_a_device_error_is_raised_not_hung():
     assert "cudaErrorIllegalAddress" in done.stdout
 
 
+async def test_a_run_is_ordered_after_its_arguments_and_before_the_callers_later_work():
+    """An argument made by a slow kernel on the caller's current stream is read by the
+    replicas only once written; a result a replica made with a slow kernel on its
+    stream is read by the caller, on its own stream, only once written."""
+    strategy = _shared(2)
+    cycles = _cycles(0.2)
+    x = cupy.zeros(1, cupy.float32)
+    _slow_set(x, 7.0, cycles)  # on the caller's current stream
+
+    async def fn(x):
+        seen = float(x.get()[0])  # (get: on this replica's stream)
+        y = cupy.zeros(1, cupy.float32)
+        _slow_set(y, seen + 1.0, cycles)  # on this replica's stream
+        return y
+
+    result = await strategy.run(fn, args=(x,))
+    # (get: on the caller's current stream)
+    assert [float(y.get()[0]) for y in strategy.experimental_local_results(result)] == [8.0, 8.0]
+
+
 async def test_dataset_batches_made_on_the_current_stream_reach_the_replicas_in_order():
     """A batch the source made with a slow kernel on the thread's current stream: each
     replica's stream waits for it before reading its shard (replica streams are

@@ -30,6 +30,7 @@ class TrackingBackend(CpuBackend):
         self.current = "default"
         self.activations = 0
         self.cross_replica = []
+        self.run_order = []  # (which, activations so far) for a run's own ordering
 
     def new_stream(self, device):
         return f"stream-{device.index}"
@@ -55,6 +56,12 @@ class TrackingBackend(CpuBackend):
 
     def end_cross_replica(self, token, slots):
         self.cross_replica.append(("end", token))
+
+    def order_replicas_after(self, slots):
+        self.run_order.append(("replicas after current", self.activations))
+
+    def order_after_replicas(self, slots):
+        self.run_order.append(("current after replicas", self.activations))
 
 
 async def test_drive_activates_around_every_step_only():
@@ -148,6 +155,12 @@ async def test_scheduler_runs_each_replica_on_its_stream_and_brackets_collective
     assert backend.current == "default"
     # 3 all_reduces and one merge_call, each bracketed once.
     assert [kind for kind, _ in backend.cross_replica] == ["begin", "end"] * 4
+    # The run itself: after the caller's queued work (before any replica step), and
+    # the caller's later work after the replicas' (once every step is done).
+    assert backend.run_order == [
+        ("replicas after current", 0),
+        ("current after replicas", backend.activations),
+    ]
 
 
 @pytest.mark.parametrize("kind", ["coroutine", "future"])
