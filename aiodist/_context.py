@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import threading
 from typing import TYPE_CHECKING, Any
 
 from ._errors import ContextError
@@ -166,7 +167,7 @@ def scope_of(strategy: Strategy) -> Scope:
 class Scope:
     """What ``strategy.scope()`` returns. As TF's, one object may be entered again
     inside its own ``with`` block (and after it): each entry's token is kept, with
-    the task that entered it, until that task leaves the block."""
+    the thread and task that entered it, until that task leaves the block."""
 
     __slots__ = ("_entries", "_strategy")
 
@@ -178,29 +179,32 @@ class Scope:
         return f"<scope of {self._strategy!r}, entered {len(self._entries)} time(s)>"
 
     def __enter__(self) -> Strategy:
-        self._entries.append((_current_task(), _enter_scope(self._strategy)))
+        self._entries.append((_entrant(), _enter_scope(self._strategy)))
         return self._strategy
 
     def __exit__(self, *exc_info: object) -> None:
-        task = _current_task()
-        # The latest entry of this task: tasks sharing one scope object leave it in
-        # any order.
+        entrant = _entrant()
+        # The latest entry of this task (thread): tasks and threads sharing one scope
+        # object leave it in any order.
         for i in range(len(self._entries) - 1, -1, -1):
-            if self._entries[i][0] is task:
+            if self._entries[i][0] == entrant:
                 token = self._entries.pop(i)[1]
                 break
         else:  # (a with statement cannot leave what it did not enter)
-            raise ContextError(f"{self!r} was left by a task that did not enter it.")
+            raise ContextError(f"{self!r} was left by a task or thread that did not enter it.")
         if token is not None:
             _STATE.reset(token)
 
 
-def _current_task() -> Any:
-    """The running asyncio task; None outside one (synchronous code)."""
+def _entrant() -> tuple[int, Any]:
+    """Who is entering or leaving a scope: the thread, and its running asyncio task
+    (None outside one: synchronous code). Each has its own context, so a token is
+    reset only where it was made."""
     try:
-        return asyncio.current_task()
+        task = asyncio.current_task()
     except RuntimeError:  # no running event loop
-        return None
+        task = None
+    return threading.get_ident(), task
 
 
 def _enter_scope(strategy: Strategy) -> contextvars.Token | None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -95,6 +97,35 @@ async def test_one_scope_object_shared_by_tasks_leaving_in_any_order(two):
 
     assert await asyncio.gather(first(), second()) == [False, False]
     assert not aiodist.has_strategy()
+
+
+def test_one_scope_object_shared_by_threads_leaving_in_any_order(two):
+    """Threads have no task: their entries were told apart by task alone (None for
+    both), so the first to leave reset the other's token, in a context that did not
+    make it (ValueError), and both threads stayed in the scope."""
+    scope = two.scope()
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def first():
+        with scope:
+            first_in.set()
+            second_in.wait(5)
+        first_out.set()
+        seen["first after"] = aiodist.has_strategy()
+
+    def second():
+        first_in.wait(5)
+        with scope:
+            second_in.set()
+            first_out.wait(5)
+            seen["second inside"] = aiodist.get_strategy() is two
+        seen["second after"] = aiodist.has_strategy()
+
+    with ThreadPoolExecutor(2) as pool:
+        for done in [pool.submit(first), pool.submit(second)]:
+            done.result()
+    assert seen == {"first after": False, "second inside": True, "second after": False}
 
 
 def test_mixing_strategies_raises(two, three):
