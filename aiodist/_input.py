@@ -304,6 +304,10 @@ class _Pipeline:
                 try:
                     more, element = await self._fetch()
                 except Exception as exc:
+                    if self._finished:
+                        # Stopped (aclose) while fetching: the source's cleanup
+                        # raised. No consumer will see an entry now; aclose() raises it.
+                        raise
                     self._push(("error", exc))
                     return
                 except BaseException as exc:  # e.g. the source raised CancelledError itself

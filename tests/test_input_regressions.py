@@ -209,6 +209,32 @@ async def test_aclose_raises_what_closing_the_source_raised(two):
     assert not _producers()
 
 
+async def test_aclose_raises_what_the_source_raised_when_stopped_while_fetching(two):
+    """aclose() while the producer waits inside the source for the next batch (a
+    slow loader): the source's cleanup raised from that fetch, and the error was
+    queued behind the end that aclose() had pushed, where no consumer reads it."""
+    failure = OSError("could not release the reader")
+    fetching = asyncio.Event()
+
+    async def source():
+        try:
+            yield np.zeros(2)
+            fetching.set()
+            await asyncio.Event().wait()  # the next batch never comes
+            yield np.ones(2)
+        finally:
+            raise failure
+
+    iterator = aiter(two.experimental_distribute_dataset(source()))
+    await anext(iterator)
+    await fetching.wait()
+    with pytest.raises(OSError) as info:
+        await iterator.aclose()
+    assert info.value is failure
+    await iterator.aclose()
+    assert not _producers()
+
+
 def test_distribute_dataset_refuses_per_replica_mode_as_tf_does(two):
     """PER_REPLICA (and place_dataset_on_device, which needs it) was silently
     ignored: each global batch was still split across the replicas."""
