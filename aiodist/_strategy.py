@@ -232,7 +232,8 @@ class StrategyExtended:
         """Call ``fn(copy, *args, **kwargs)`` once per copy of ``var``, on its device.
 
         ``Mirrored`` arguments are unwrapped per copy. Returns a ``Mirrored`` of
-        the results (a tuple with ``group=False``).
+        the results (a tuple with ``group=False``), one per replica: replicas
+        sharing a device share its copy's result.
         """
         _context.require_cross_replica(self._strategy, "update")
         return await _variables.update(var, fn, args, kwargs, group)

@@ -723,7 +723,8 @@ async def update(
 
     ``Mirrored`` arguments are unwrapped to the component of each copy's
     replica. Runs each call with the copy's device (and stream) current.
-    Returns a ``Mirrored`` of the results, or a tuple with ``group=False``.
+    Returns a ``Mirrored`` of the results, or a tuple with ``group=False``: one
+    entry per replica either way (replicas sharing a copy share its result).
     """
     if not isinstance(variable, Variable):
         raise InvalidArgumentError(
@@ -752,12 +753,14 @@ async def update(
             # The current streams' later work (which may reuse the arguments' memory,
             # or read the copies) waits for what fn issued.
             backend.order_after_replicas(slots)
+    # Per replica, as every distributed value and as TF's group=False ("an element per
+    # replica"): replicas sharing a copy share its result.
+    per_replica = [results[c] for c in variable._copy_of]
     if not group:
-        return tuple(results)
+        return tuple(per_replica)
     if n == 1:
-        return results[0]
-    # Per replica, as every distributed value (replicas sharing a copy share its result).
-    return Mirrored([results[c] for c in variable._copy_of], variable._replica_devices)
+        return per_replica[0]
+    return Mirrored(per_replica, variable._replica_devices)
 
 
 def _update_copies(

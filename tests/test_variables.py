@@ -379,6 +379,10 @@ async def test_replicas_sharing_a_device_share_a_mirrored_copy(tmp_path):
     result = await strategy.extended.update(w, assign, args=(mirrored,))
     assert calls == ["/device:CPU:0", "/device:CPU:1"]
     assert len(result.values) == 3 and result.values[0] is result.values[1]
+    # group=False: the same per-replica results, unwrapped (as TF: "an element per
+    # replica"); it gave one per copy.
+    plain = await strategy.extended.update(w, lambda copy: copy.device, group=False)
+    assert plain == ("/device:CPU:0", "/device:CPU:0", "/device:CPU:1")
     for value in strategy.experimental_local_results(w):
         np.testing.assert_array_equal(value, [18.0, 18.0])
     np.testing.assert_array_equal(await strategy.reduce("sum", w, axis=None), [54.0, 54.0])
