@@ -58,7 +58,7 @@ from ._replica_context import (
 from ._stall import ensure_for
 from ._streams import drive, step_through
 from ._trace import Tracer, cross_replica_track, replica_track
-from ._values import DistributedValues, _regroup_flat, regroup, select_replica
+from ._values import DistributedValues, _regroup_flat, regroup, select_replica, select_replicas
 
 if TYPE_CHECKING:
     from ._strategy import Strategy
@@ -671,15 +671,18 @@ class RunGroup:
             self._lane_in(tracer)  # (freed by run())
         coroutines: list = []
         try:
+            if not plain_args:  # each replica's, all at once (see select_replicas)
+                args_of = select_replicas(tuple(args), n)
+                # (No kwargs, the usual: the empty dict as it is, not rebuilt.)
+                kwargs_of = select_replicas(kwargs, n) if kwargs else None
             for slot in self.slots:
                 rid = slot.replica_id
                 state = self._state(rid)
                 if plain_args:
                     replica_args, replica_kwargs = args, kwargs
                 else:
-                    replica_args = select_replica(rid, tuple(args), n)
-                    # (No kwargs, the usual: the empty dict as it is, not rebuilt.)
-                    replica_kwargs = select_replica(rid, kwargs, n) if kwargs else kwargs
+                    replica_args = args_of[rid]
+                    replica_kwargs = kwargs_of[rid] if kwargs_of is not None else kwargs
                 backend = slot.backend
                 if not is_async and tracer is None and not backend.needs_activation:
                     call = (fn, replica_args, replica_kwargs)

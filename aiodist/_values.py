@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import chain
+from operator import attrgetter
 from typing import Any
 
 from . import _nest
@@ -102,6 +103,9 @@ class Mirrored(DistributedValues):
     __slots__ = ()
 
 
+_DISTRIBUTED_TYPES = frozenset((PerReplica, Mirrored))
+
+
 def _component(value: DistributedValues, replica_id: int, num_replicas: int) -> object:
     if len(value._values) != num_replicas:
         raise InvalidArgumentError(
@@ -121,23 +125,66 @@ def copies_of(value: object) -> object:
     return value
 
 
+def select_replicas(structure: object, num_replicas: int) -> list:
+    """``[select_replica(i, structure, num_replicas) for i in range(num_replicas)]``,
+    with each plain list of distributed values in a plain tuple or list (run's args
+    holding a list of per-replica values, as experimental_distribute_values_from_function
+    gives for a list) split for every replica at once: its components transposed by
+    zip, in C, instead of picked replica by replica ((e), N = 4, uvloop: 256 -> 230 us
+    per step)."""
+    kind = type(structure)
+    if (kind is tuple or kind is list) and structure:
+        columns = []
+        for item in structure:
+            split = _split_list(item, num_replicas) if type(item) is list else None
+            if split is None:
+                split = [select_replica(i, item, num_replicas) for i in range(num_replicas)]
+            columns.append(split)
+        if kind is tuple:
+            return [tuple(row) for row in zip(*columns)]  # noqa: B905 (n each)
+        return [list(row) for row in zip(*columns)]  # noqa: B905 (n each)
+    return [select_replica(i, structure, num_replicas) for i in range(num_replicas)]
+
+
+def _split_list(values: list, num_replicas: int) -> list | None:
+    """Each replica's list, for a nonempty plain list of distributed values of
+    ``num_replicas`` components each; None for any other list (``select_replica``
+    then picks, and raises for a wrong count)."""
+    # (A set, maps and zip, in C: no Python step per value.)
+    if not values or not set(map(type, values)) <= _DISTRIBUTED_TYPES:
+        return None  # (a subclass of them too: select_replica picks it)
+    try:
+        rows = list(map(list, zip(*map(_VALUES_OF, values), strict=True)))
+    except ValueError:  # components of unequal counts
+        return None
+    return rows if len(rows) == num_replicas else None
+
+
+_VALUES_OF = attrgetter("_values")
+
+
 def select_replica(replica_id: int, structure: object, num_replicas: int) -> object:
     """``structure`` with each distributed value replaced by replica ``replica_id``'s component."""
     if isinstance(structure, DistributedValues):
         return _component(structure, replica_id, num_replicas)
+    kind = type(structure)
+    if kind is tuple or kind is list:
+        # Plain tuples and lists (run's args; a list of per-replica values, as
+        # experimental_distribute_values_from_function gives for a list): one pass per
+        # level, no closure and no generic walk ((e), N = 4, uvloop: 222 us per step
+        # for a PerReplica of lists, 390 us for a list of PerReplica through
+        # map_structure, 256 us this way). Other containers inside: the general path.
+        picked = [
+            _component(leaf, replica_id, num_replicas)
+            if isinstance(leaf, DistributedValues)
+            else select_replica(replica_id, leaf, num_replicas)
+            if isinstance(leaf, _NESTED)
+            else leaf
+            for leaf in structure
+        ]
+        return tuple(picked) if kind is tuple else picked
     if not _nest.is_nested(structure):
         return structure
-    if type(structure) is tuple and not _nest.any_nested(structure):
-        # A flat tuple (run's args, usually): one pass, no closure and no walk ((e), N =
-        # 4, uvloop, with the empty kwargs no longer rebuilt: 238 -> 222 us per step).
-        return tuple(
-            [
-                _component(leaf, replica_id, num_replicas)
-                if isinstance(leaf, DistributedValues)
-                else leaf
-                for leaf in structure
-            ]
-        )
 
     def pick(leaf: object) -> object:
         if isinstance(leaf, DistributedValues):

@@ -86,6 +86,48 @@ async def test_distributed_args_are_unwrapped_in_nested_structures(strategy, num
     assert strategy.experimental_local_results(result) == tuple(range(num_replicas))
 
 
+async def test_a_list_of_distributed_values_reaches_each_replica_as_its_own_list(
+    strategy, num_replicas
+):
+    # What experimental_distribute_values_from_function gives for a list (a list of
+    # PerReplica, as TF's), in every form run splits for all replicas at once, and
+    # the forms it leaves to the per-replica pick (a plain leaf or a subclass in the
+    # list, a list in a dict).
+    per = strategy.experimental_distribute_values_from_function(
+        lambda ctx: [np.full(2, ctx.replica_id_in_sync_group), ctx.replica_id_in_sync_group]
+    )
+    if num_replicas > 1:
+        assert type(per) is list and all(type(v) is aiodist.PerReplica for v in per)
+    mixed = [*per, "plain"] if num_replicas > 1 else per
+    seen = []
+
+    async def fn(values, mixed, nested, *, table):
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        np.testing.assert_array_equal(values[0], [rid, rid])
+        assert values[1] == rid and type(values) is list
+        assert mixed[1] == rid and (num_replicas == 1 or mixed[2] == "plain")
+        assert nested[0][1] == rid and table["v"][1] == rid
+        values.append("mine")  # each replica's list is its own
+        seen.append(values)
+
+    await strategy.run(fn, args=(per, mixed, [per]), kwargs={"table": {"v": per}})
+    assert [len(values) for values in seen] == [3] * num_replicas
+    assert len({id(values) for values in seen}) == num_replicas
+    assert len(per) == 2  # the caller's list unchanged
+
+
+async def test_a_list_of_distributed_values_of_another_replica_count_is_refused(two):
+    async def fn(values):
+        return values
+
+    wrong = [aiodist.PerReplica([1, 2, 3]), aiodist.PerReplica([4, 5, 6])]
+    with pytest.raises(ValueError, match=r"with 3 values was used where this process runs 2"):
+        await two.run(fn, args=(wrong,))
+    uneven = [aiodist.PerReplica([1, 2]), aiodist.PerReplica([4, 5, 6])]
+    with pytest.raises(ValueError, match=r"with 3 values was used where this process runs 2"):
+        await two.run(fn, args=(uneven,))
+
+
 @pytest.mark.parametrize("kind", ["async def", "plain def"])
 async def test_plain_keyword_arguments_reach_every_replica_in_a_dict_of_its_own(two, kind):
     # Arguments with no distributed value go to every replica as they are; each
