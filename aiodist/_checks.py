@@ -4,13 +4,27 @@ bad value, naming the value and what was expected."""
 from __future__ import annotations
 
 import enum
+import inspect
 import math
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from ._errors import InvalidArgumentError
 
 _E = TypeVar("_E", bound=enum.Enum)
 _T = TypeVar("_T")
+
+
+def refuse_awaitables(values: Iterable[Any], message: Callable[[], str]) -> None:
+    """Raise ``InvalidArgumentError(message())`` when any of ``values`` is awaitable:
+    what an ``async def`` function gives where a plain one is called and never
+    awaited. Each is closed first, so Python does not warn that it was never awaited."""
+    awaitables = [value for value in values if inspect.isawaitable(value)]
+    if awaitables:
+        for awaitable in awaitables:
+            if hasattr(awaitable, "close"):
+                awaitable.close()
+        raise InvalidArgumentError(message())
 
 
 def whole_number(value: Any, name: str, minimum: int, hint: str = "") -> int:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
-import inspect
 import operator
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -41,7 +40,7 @@ import numpy as np
 
 from . import _nest, _trace
 from ._backends import is_cupy_array
-from ._checks import member, options_or_default, whole_number
+from ._checks import member, options_or_default, refuse_awaitables, whole_number
 from ._errors import InvalidArgumentError
 from ._values import regroup_wrapping_every_leaf
 
@@ -629,17 +628,15 @@ def from_function(
         world = strategy._world
         workers, rank = (1, 0) if world is None else (world.size, world.rank)
         iterables = [dataset_fn(InputContext(workers, rank, n))]
-    awaitables = [it for it in iterables if inspect.isawaitable(it)]
-    if awaitables:
-        for awaitable in awaitables:
-            if hasattr(awaitable, "close"):  # (no "never awaited" warning)
-                awaitable.close()
-        raise InvalidArgumentError(
+    refuse_awaitables(
+        iterables,
+        lambda: (
             f"distribute_datasets_from_function: dataset_fn={dataset_fn!r} returned an "
             "awaitable; it is called, not awaited, so it must be a plain function "
             "(def, not async def) returning an iterable or async iterable of batches "
             "(an async generator is one)."
-        )
+        ),
+    )
     return DistributedDataset(
         strategy,
         iterables,

@@ -9,7 +9,6 @@ strategy serves any number of concurrent runs and outlives event loops.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -21,7 +20,7 @@ import numpy as np
 from . import _context, _nest, _stall, _variables
 from ._arrays import as_axis, check_reducible, mean_of_sum
 from ._backends import backend_for, cpu_backend, is_cupy_array, is_cupy_type, visible_gpu_count
-from ._checks import options_or_default
+from ._checks import options_or_default, refuse_awaitables
 from ._cross_device_ops import (
     CrossDeviceOps,
     NcclAllReduce,
@@ -416,14 +415,14 @@ class Strategy:
                 value = value_fn(ValueContext(replica_id, n))
             finally:
                 slot.backend.deactivate(token)
-            if inspect.isawaitable(value):
-                if hasattr(value, "close"):  # (no "never awaited" warning)
-                    value.close()
-                raise InvalidArgumentError(
+            refuse_awaitables(
+                (value,),
+                lambda: (
                     f"experimental_distribute_values_from_function: value_fn={value_fn!r} "
                     "returned an awaitable; it is called once per replica, not awaited, so "
                     "it must be a plain function (def, not async def) returning the value."
-                )
+                ),
+            )
             values.append(value)
         if len(values) == 1:
             return values[0]

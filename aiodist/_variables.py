@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import inspect
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,7 +45,7 @@ import numpy as np
 from . import _context
 from ._arrays import mean_of_sum, mean_operand
 from ._backends import backend_for, host_array, is_cupy_array
-from ._checks import member
+from ._checks import member, refuse_awaitables
 from ._devices import HOST as _HOST
 from ._devices import Device
 from ._errors import ContextError, InvalidArgumentError
@@ -787,12 +786,12 @@ def _update_copies(
             ]
             if sharing:
                 slot.backend.end_cross_replica(((slot.device.index, slot.stream),), sharing)
-        if inspect.isawaitable(result):
-            if hasattr(result, "close"):
-                result.close()
-            raise InvalidArgumentError(
-                f"update: fn={fn!r} returned an awaitable; fn runs once per copy and must be "
-                "a plain function (for example lambda copy, value: copy.assign(value))."
-            )
+        refuse_awaitables(
+            (result,),
+            lambda: (
+                f"update: fn={fn!r} returned an awaitable; fn runs once per copy and must "
+                "be a plain function (for example lambda copy, value: copy.assign(value))."
+            ),
+        )
         results.append(result)
     return results
