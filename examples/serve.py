@@ -82,6 +82,8 @@ def parse_inputs(body: bytes, max_rows: int) -> np.ndarray:
         document = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadInput(f"the body is not valid JSON ({exc})") from None
+    except RecursionError:  # (valid JSON, nested deeper than the parser goes)
+        raise BadInput("the body's JSON is nested too deeply") from None
     if not isinstance(document, dict) or "inputs" not in document:
         raise BadInput('expected a JSON object {"inputs": [[number, ...], ...]}')
     rows = document["inputs"]

@@ -381,6 +381,7 @@ async def test_same_input_same_output_whatever_else_is_served():
         (json.dumps({"inputs": [[1.0] * 16] * 257}).encode(), "257 rows; at most 256"),
         (b'{"inputs": [[' + b"9" * 400 + b", 1" * 15 + b"]]}", "a number of 400 digits"),
         (json.dumps({"inputs": [[1e308] * 16]}).encode(), "magnitude at most 1e+06"),
+        (b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
     ],
     ids=[
         "json",
@@ -397,6 +398,7 @@ async def test_same_input_same_output_whatever_else_is_served():
         "oversized",
         "huge-int",
         "huge-float",
+        "deep",
     ],
 )
 async def test_bad_input_answers_400(payload, message):
