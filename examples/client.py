@@ -15,7 +15,9 @@ import json
 
 
 async def http(port: int, method: str, path: str, body: bytes | None = None):
-    """One HTTP/1.1 request on a fresh connection; (status, parsed JSON body)."""
+    """One HTTP/1.1 request on a fresh connection; (status, parsed JSON body), or
+    (status, body text) when the body is not JSON (a 404 or 405 from the framework,
+    a 500 page)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
@@ -30,4 +32,7 @@ async def http(port: int, method: str, path: str, body: bytes | None = None):
             await writer.wait_closed()
     header, _, payload = raw.partition(b"\r\n\r\n")
     status = int(header.split(b" ", 2)[1])
-    return status, json.loads(payload)
+    try:
+        return status, json.loads(payload)
+    except ValueError:  # (UnicodeDecodeError included)
+        return status, payload.decode(errors="replace")

@@ -408,6 +408,12 @@ async def test_bad_input_answers_400(payload, message):
         assert message in document["error"]
 
 
+async def test_the_client_returns_a_body_that_is_not_json_as_text():
+    async with running_server() as (_, port, _):
+        assert await http(port, "GET", "/nowhere") == (404, "Not Found")
+        assert await http(port, "GET", "/predict") == (405, "Method Not Allowed")
+
+
 async def test_overload_answers_503_and_recovers():
     options = {"max_queue_rows": 8, "max_rows_per_request": 8, "max_wait_seconds": 0.05}
     async with running_server(**options) as (_, port, _):
