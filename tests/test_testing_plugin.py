@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import aiodist
+from aiodist._backends import visible_gpu_count
 from aiodist.testing import assert_same_on_replicas
 
 pytest_plugins = ["pytester"]
@@ -92,6 +93,25 @@ def test_gpu_fixture_skips_with_a_reason_without_a_gpu(pytester):
     )
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*no GPU visible to CuPy*aiodist[[]cuda12[]]*"])
+
+
+def test_gpu_fixture_skips_with_cupys_own_reason(pytester):
+    # CuPy installed where it sees no GPU (no driver, a driver too old: tox -e nodriver):
+    # the reason is CUDA's, not "install CuPy".
+    if importlib.util.find_spec("cupy") is None or visible_gpu_count() > 0:
+        pytest.skip("needs CuPy installed on a machine where it sees no GPU (tox -e nodriver)")
+    result = run(
+        pytester,
+        """
+        def test_on_gpu(aiodist_gpu_strategy):
+            raise AssertionError("must not run without a GPU")
+        """,
+        "-rs",
+    )
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*no GPU visible to CuPy: device '/device:GPU:0' is a GPU, but*"])
+    result.stdout.no_fnmatch_line("*CuPy is not installed*")
+    result.stdout.no_fnmatch_line("*(install CuPy with*")
 
 
 def test_bad_marker_is_a_usage_error(pytester):
