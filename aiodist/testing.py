@@ -165,8 +165,21 @@ async def assert_same_on_replicas(
     reference answer; raises ``AssertionError`` naming the replica count that
     differs.
     """
-    if not replicas:
-        raise InvalidArgumentError("replicas=(); expected at least one replica count.")
+    if (
+        isinstance(replicas, str | bytes)
+        or not isinstance(replicas, Sequence)
+        or not replicas
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in replicas)
+    ):
+        raise InvalidArgumentError(
+            f"assert_same_on_replicas: replicas={replicas!r}; expected a sequence of one or "
+            "more replica counts >= 1, e.g. replicas=(1, 2, 4)."
+        )
+    if not (combine in ("concat", "first") or _is_reduce_op(combine)):
+        raise InvalidArgumentError(
+            f"assert_same_on_replicas: combine={combine!r}; expected 'concat', 'first', or "
+            "a reduce op (a ReduceOp, or 'sum', 'mean', 'min', 'max', 'product' in any case)."
+        )
     reference, reference_count = None, None
     scale = _magnitude(batch) if atol is None and rtol is None else 0.0
     for count in replicas:
@@ -203,6 +216,14 @@ async def assert_same_on_replicas(
                 ),
             )
     return reference
+
+
+def _is_reduce_op(combine: Any) -> bool:
+    try:
+        ReduceOp.of(combine)
+    except (ValueError, TypeError):
+        return False
+    return True
 
 
 def _describe(value: Any) -> str:

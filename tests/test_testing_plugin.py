@@ -176,6 +176,26 @@ async def test_assert_same_on_replicas_combine_modes():
         await assert_same_on_replicas(wrong_shape, batch)
 
 
+@pytest.mark.parametrize("combine", ["concatenate", "First", "avg", None])
+async def test_assert_same_on_replicas_names_the_combine_modes(combine):
+    async def predict(rows):
+        return rows * 2.0
+
+    expected = r"combine=.*; expected 'concat', 'first', or a reduce op"
+    with pytest.raises(aiodist.InvalidArgumentError, match=expected):
+        await assert_same_on_replicas(predict, np.ones((4, 2)), combine=combine)
+
+
+@pytest.mark.parametrize("replicas", [(), (0, 2), (1, 2.0), (True,), 4, "12"])
+async def test_assert_same_on_replicas_checks_the_replica_counts(replicas):
+    async def predict(rows):
+        return rows * 2.0
+
+    expected = r"replicas=.*; expected a sequence of one or more replica counts >= 1"
+    with pytest.raises(aiodist.InvalidArgumentError, match=expected):
+        await assert_same_on_replicas(predict, np.ones((4, 2)), replicas=replicas)
+
+
 async def test_assert_same_on_replicas_compares_shapes_and_structures():
     batch = np.arange(8.0).reshape(4, 2)
 
