@@ -182,7 +182,10 @@ class Batcher:
     async def start(self, warmup_rows: np.ndarray | None = None) -> None:
         """Warm up (one run of ``warmup_rows``, if given) and start batching. A call
         made while another is warming up waits for it; one made while ``stop()`` is
-        draining waits for the stop to end, then starts."""
+        draining waits for the stop to end, then starts. A batcher left serving on an
+        event loop that has since closed (a test that never called ``stop()``) starts
+        afresh on this one."""
+        self._forget_a_closed_loop()
         while self._stopping is not None:  # (another start may have waited too)
             await asyncio.shield(self._stopping)
         if self._loop_task is not None:
@@ -203,6 +206,34 @@ class Batcher:
             self._starting = None
             starting.set_result(None)
 
+    def _forget_a_closed_loop(self) -> None:
+        """Drop the state of a loop that closed while this batcher served on it: its
+        batching task, batches and queued callers are gone with it. (Like a strategy,
+        a batcher may outlive its loop: pytest-asyncio gives each test its own.)"""
+        owner = next(
+            (
+                item.get_loop()
+                for item in (self._loop_task, self._starting, self._stopping)
+                if item is not None
+            ),
+            None,
+        )
+        if owner is None or owner is asyncio.get_running_loop():
+            return
+        if not owner.is_closed():
+            raise NotServing(
+                "the batcher is serving on another event loop, which is still open; "
+                "stop() it there before starting it on this one."
+            )
+        self._accepting = False
+        self._loop_task = self._starting = self._stopping = None
+        self._wakeup = self._slots = None
+        self._running.clear()
+        for request in self._queue:
+            request.taken = True
+        self._queue.clear()
+        self._queued_rows = 0
+
     async def _start(self, warmup_rows: np.ndarray | None) -> None:
         if warmup_rows is not None:
             await self._run_batch(np.asarray(warmup_rows))
@@ -221,6 +252,7 @@ class Batcher:
         ``start``'s warm-up keeps the batcher from starting; a ``start`` made while
         this drains waits for it to end."""
         deadline = seconds(deadline, "stop: deadline", zero=True)
+        self._forget_a_closed_loop()
         self._accepting = False
         self._stop_requested = True
         if self._stopping is not None:  # another stop() is draining: wait for it
@@ -277,6 +309,13 @@ class Batcher:
         """Run ``rows`` (a 2-D array, one request) and return its output rows."""
         if not self._accepting:
             raise NotServing("the batcher is not accepting requests (not started, or stopping).")
+        loop = asyncio.get_running_loop()
+        assert self._loop_task is not None
+        if self._loop_task.get_loop() is not loop:
+            raise NotServing(
+                "the batcher was started on another event loop; call `await batcher.start()` "
+                "on this one (after stop() on the other, if it is still running)."
+            )
         rows = np.asarray(rows)
         if rows.ndim != 2 or len(rows) == 0:
             raise InvalidArgumentError(
@@ -298,7 +337,7 @@ class Batcher:
                 f"{self._queued_rows} rows are already queued (max_queue_rows="
                 f"{self.max_queue_rows}); retry later."
             )
-        future = asyncio.get_running_loop().create_future()
+        future = loop.create_future()
         request = _Request(rows, future)
         self._queue.append(request)
         self._queued_rows += len(rows)

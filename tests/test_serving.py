@@ -727,6 +727,25 @@ async def test_oversized_request_is_invalid_not_overloaded(two):
     await batcher.stop()
 
 
+async def test_a_batcher_left_serving_on_a_closed_loop_serves_on_this_one(two):
+    # A test that never reached stop(): the next test's loop must not hang in submit.
+    batcher = Batcher(two, linear)
+
+    async def on_another_loop():
+        await batcher.start(np.zeros((2, 4)))
+        return await batcher.submit(np.ones((1, 4)))
+
+    assert (await asyncio.to_thread(asyncio.run, on_another_loop())).shape == (1, 3)
+    with pytest.raises(NotServing, match="started on another event loop"):
+        await asyncio.wait_for(batcher.submit(np.ones((1, 4))), 5)
+    await asyncio.wait_for(batcher.start(np.zeros((2, 4))), 5)
+    rows = np.arange(8.0).reshape(2, 4)
+    np.testing.assert_array_equal(await asyncio.wait_for(batcher.submit(rows), 5), rows @ W)
+    await batcher.stop()
+    with pytest.raises(NotServing, match="not accepting"):
+        await batcher.submit(rows)
+
+
 async def test_concurrent_starts_make_one_batching_loop(two):
     batcher = Batcher(two, linear)
     await asyncio.gather(batcher.start(np.zeros((1, 4))), batcher.start(np.zeros((1, 4))))
