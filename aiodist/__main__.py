@@ -1,4 +1,4 @@
-"""``python -m aiodist``: data-parallel linear regression on the default devices.
+"""``python -m aiodist``: data-parallel linear regression (4 CPU replicas, or --devices).
 
 Global batches come from a generator through
 ``strategy.experimental_distribute_dataset``; each replica computes the gradient
