@@ -90,7 +90,11 @@ def parse_device(spec: str | Device) -> Device:
     if match is None:
         hint = ""
         if spec.strip().lower().startswith("/job:") and "localhost" not in spec.lower():
-            hint = " Devices of other jobs or tasks (multi-worker) are not supported."
+            hint = (
+                " Devices of other jobs or tasks are not named in a device list: for "
+                "several workers, use aiodist.MultiWorkerMirroredStrategy, whose "
+                "devices are each worker's own (see docs/multi-worker.md)."
+            )
         raise DeviceError(f"device string {spec!r} is not understood; {_EXPECTED}.{hint}")
     return Device(match["kind"].upper(), int(match["index"]))
 
