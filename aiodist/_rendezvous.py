@@ -302,8 +302,13 @@ class Rendezvous:
             self._fail(call, CollectiveMismatchError(message))
         elif self.exited and (gone := self._exited_before(number, replica)) is not None:
             self._fail(call, ReplicaExitedError(self._exit_message(call, *gone)))
-        elif not call.missing:
-            self._complete(call)
+        elif not call.missing and self._complete(call):
+            # The cross-replica code raised (a merge_fn): the failure's traceback holds
+            # this frame (its merge_fn's frame links back to it), so no local here may
+            # keep the failure, or every such call would leave a cycle for the garbage
+            # collector. (Not on the usual path: _complete returns None.)
+            held, future, call = [future], None, None
+            return held.pop()
         return future
 
     def _tighten(
@@ -413,7 +418,9 @@ class Rendezvous:
 
     # -- completion and failure ---------------------------------------------------
 
-    def _complete(self, call: _Call) -> None:
+    def _complete(self, call: _Call) -> bool | None:
+        """Run the call's cross-replica code and deliver its results; True if that
+        code raised (the call failed with its exception)."""
         del self._pending[call.number]
         if call.timer is not None:
             call.timer.cancel()
@@ -425,32 +432,15 @@ class Rendezvous:
         try:
             execute = self._execute  # (as self._watch in arrive: with it, 0.3k a (c) step)
             results = execute(call.number, call.first, call.payloads)
-        except asyncio.CancelledError as exc:
-            # Nothing was cancelled: the cross-replica code raised CancelledError itself.
-            failure = RendezvousError(
-                f"{call.label}: the cross-replica code raised CancelledError; raise another "
-                "exception to fail a merge_fn."
-            )
-            failure.__cause__ = exc
-            self._fail(call, failure)
-            return
-        except StopIteration as exc:  # (a future cannot hold one: PEP 479's answer)
-            failure = RendezvousError(
-                f"{call.label}: the cross-replica code raised StopIteration (e.g. next() "
-                "of an exhausted iterator), which no replica's await can receive; catch "
-                "it in the merge_fn, or raise another exception to fail the call."
-            )
-            failure.__cause__ = exc
-            self._fail(call, failure)
-            return
-        except Exception as exc:
-            self._fail(call, exc)
-            return
-        except BaseException as exc:  # e.g. pytest.fail(): every replica raises it too
-            self._fail(call, exc)
+        except BaseException as exc:
+            self._execute_failed(call, exc)
+            # The failure's traceback holds this frame, and the call holds the failure:
+            # without this, every call failed by its cross-replica code (a merge_fn that
+            # raised) would leave a cycle for the garbage collector.
+            del call
             if isinstance(exc, KeyboardInterrupt | SystemExit):
                 raise  # at once, as asyncio lets them through
-            return
+            return True
         if type(results) is list:  # the usual case, tested first: one type check
             futures = call.futures
             if len(results) == len(futures) and self._plain_futures:
@@ -476,6 +466,26 @@ class Rendezvous:
                 results.add_done_callback(partial(self._deliver_later, call))
         else:
             self._deliver(call, results)
+
+    def _execute_failed(self, call: _Call, exc: BaseException) -> None:
+        """The cross-replica code of ``call`` raised ``exc``: fail the call with it."""
+        if isinstance(exc, asyncio.CancelledError):
+            # Nothing was cancelled: the cross-replica code raised CancelledError itself.
+            failure = RendezvousError(
+                f"{call.label}: the cross-replica code raised CancelledError; raise another "
+                "exception to fail a merge_fn."
+            )
+            failure.__cause__ = exc
+        elif isinstance(exc, StopIteration):  # (a future cannot hold one: PEP 479's answer)
+            failure = RendezvousError(
+                f"{call.label}: the cross-replica code raised StopIteration (e.g. next() "
+                "of an exhausted iterator), which no replica's await can receive; catch "
+                "it in the merge_fn, or raise another exception to fail the call."
+            )
+            failure.__cause__ = exc
+        else:  # BaseExceptions too (e.g. pytest.fail()): every replica raises it
+            failure = exc
+        self._fail(call, failure)
 
     def _deliver(self, call: _Call, results: Sequence[Any]) -> None:
         futures = call.futures

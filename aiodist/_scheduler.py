@@ -625,7 +625,12 @@ class RunGroup:
             # function the last merge_call passed: see ReplicaContext.merge_call).
             self._merge_fn, self._merge_signature = _NO_MERGE_FN, None
         if self._failure is not None:
-            raise self._failure
+            # Its traceback will hold this frame: nothing the frame reaches may hold
+            # it, or every failed run is a cycle left to the garbage collector. So the
+            # run drops it (taken by a call: no local of this frame holds it), and the
+            # list of the replicas' tasks (whose failed one holds it) is dropped too.
+            tasks = coroutines = None
+            raise self._take_failure()
         results = self._results
         first = results[0]
         # regroup's first case written out: every replica returned the same object
@@ -636,6 +641,11 @@ class RunGroup:
             if result is not first:
                 return regroup(results, self.devices)
         return first
+
+    def _take_failure(self) -> BaseException:
+        """The run's failure, which it no longer holds (see run)."""
+        failure, self._failure = self._failure, None
+        return failure
 
     def _replica_raised(self, rid: int, exc: BaseException) -> None:
         """Replica ``rid``'s function raised ``exc`` or was cancelled (called in its
@@ -1195,11 +1205,14 @@ class DefaultGroup(RunGroup):
         # task (_merge) before this returns. The caller is the only one waiting for
         # it: if it stops waiting (cancelled, e.g. by asyncio.timeout), the merge_fn
         # is cancelled too, as a run cancels its merge tasks with its replicas.
-        future = super().arrive(replica_id, signature, payload, options)
+        # (Held in a list emptied as it returns, not in a local: a merge_fn that raised
+        # in this call has a traceback holding this frame, and a local future holding
+        # that exception would make a cycle of every such call; see Rendezvous.arrive.)
+        held = [super().arrive(replica_id, signature, payload, options)]
         task, self._merge_task = self._merge_task, None
-        if task is not None and not future.done():
-            future.add_done_callback(partial(_cancel_with, task))
-        return future
+        if task is not None and not held[0].done():
+            held[0].add_done_callback(partial(_cancel_with, task))
+        return held.pop()
 
     def _merge(self, number: int, payloads: list[Payload], backend: Any, order: object) -> Any:
         result = super()._merge(number, payloads, backend, order)

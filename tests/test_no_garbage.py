@@ -7,7 +7,9 @@ every step (issue 6); reference counting must free a run as soon as it ends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+from functools import partial
 
 import numpy as np
 
@@ -54,6 +56,64 @@ async def test_runs_leave_no_cyclic_garbage(strategy):
             for _ in range(200):
                 await strategy.run(fn)
             assert gc.collect() == 0, f"{fn.__name__} runs left cyclic garbage"
+        finally:
+            gc.enable()
+
+
+async def test_failed_runs_leave_no_cyclic_garbage(two):
+    """A failure's traceback holds the frames it passed through: none of them may hold
+    the failure itself (the run's frame, holding its failure and its tasks; the last
+    arrival's frame, holding the future that a merge_fn's exception failed), or every
+    failed run or call is a cycle."""
+    one = np.float32(1.0)
+
+    def merge_raises(strategy):
+        raise KeyError("from merge_fn")
+
+    async def replica_raises():
+        if aiodist.get_replica_context().replica_id_in_sync_group == 1:
+            raise ValueError("replica 1")
+        await asyncio.sleep(3600)
+
+    async def replica_exits():
+        if aiodist.get_replica_context().replica_id_in_sync_group == 1:
+            return None
+        return await aiodist.get_replica_context().all_reduce("sum", one)
+
+    async def mismatch():
+        ctx = aiodist.get_replica_context()
+        return await ctx.all_reduce("max" if ctx.replica_id_in_sync_group else "sum", one)
+
+    async def merge_fn_raises():
+        return await aiodist.get_replica_context().merge_call(merge_raises)
+
+    async def merge_fn_raises_caught():
+        try:
+            await aiodist.get_replica_context().merge_call(merge_raises)
+        except KeyError:
+            return None
+
+    async def run(fn):
+        with contextlib.suppress(ValueError, KeyError, aiodist.RendezvousError):
+            await two.run(fn)
+
+    async def default_context():  # the default replica context, outside any run
+        with contextlib.suppress(KeyError):
+            await aiodist.get_replica_context().merge_call(merge_raises)
+
+    cases = [
+        partial(run, fn)
+        for fn in (replica_raises, replica_exits, mismatch, merge_fn_raises, merge_fn_raises_caught)
+    ]
+    for case in (*cases, default_context):
+        for _ in range(5):  # warm-up: caches, first-use objects
+            await case()
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(20):
+                await case()
+            assert gc.collect() == 0, f"{case} left cyclic garbage"
         finally:
             gc.enable()
 
