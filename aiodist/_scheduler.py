@@ -1194,6 +1194,21 @@ class DefaultGroup(RunGroup):
     def __init__(self, strategy: Strategy, slots: tuple[ReplicaSlot, ...]):
         super().__init__(strategy, slots)
         self.context = ReplicaContext(strategy, 0, slots[0].device, default_group=self)
+        # Made now, not at the first collective as a run's is (RunGroup.rendezvous),
+        # which would hand it the stall watchdog of the loop that happened to call
+        # first: this group serves every loop, in every thread, for the life of the
+        # process, and a timer armed on another thread's loop is a data race (asyncio's
+        # debug mode raises RuntimeError). No watchdog at all: its one replica has
+        # always arrived, so none of its calls can stall (nor is it a run that a
+        # watchdog looks at).
+        self._rendezvous = Rendezvous(
+            1,
+            self._execute,
+            None,  # watch
+            None,  # loop: each arrival's running one
+            self._closes_rendezvous,  # keeps_failures (False: it is never closed)
+            strategy._counters,
+        )
 
     async def run(self, fn: Callable, args: Sequence, kwargs: dict) -> object:
         raise ContextError("the default replica group cannot run functions; use strategy.run.")

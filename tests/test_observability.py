@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import subprocess
 import sys
 import threading
 import time
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 import aiodist
-from tests.conftest import cpu_devices, wait_until
+from tests.conftest import ROOT, cpu_devices, wait_until
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -208,6 +209,49 @@ async def test_stall_reports_go_on_while_another_thread_makes_strategies(caplog)
         release.set()
     assert (await run).values == (2.0, 2.0)
     assert all(r.getMessage().startswith("all_reduce #0 has waited") for r in records)
+
+
+_DEFAULT_CONTEXT_IN_TWO_LOOPS = """
+import asyncio, sys
+import aiodist
+
+options = aiodist.CommunicationOptions(stall_warning_seconds=0.01)
+
+async def default_all_reduce():
+    return float(await aiodist.get_replica_context().all_reduce("sum", 1.0, options=options))
+
+def in_thread():
+    if sys.argv[1] == "uvloop":
+        import uvloop
+        return uvloop.run(default_all_reduce())
+    return asyncio.run(default_all_reduce())
+
+async def main():
+    first = await default_all_reduce()
+    await asyncio.sleep(0.05)  # a stall timer armed by that call would have fired
+    print(first, await asyncio.to_thread(in_thread))
+
+asyncio.run(main(), debug=True)  # debug: a call from another thread raises RuntimeError
+"""
+
+
+@pytest.mark.parametrize("thread_loop", ["asyncio", "uvloop"])
+def test_the_default_context_on_another_threads_loop_arms_no_timer_on_the_first(thread_loop):
+    """The default replica context is one for the whole process, used from any loop in
+    any thread: its collectives must not arm the stall watchdog of the loop that used
+    it first (a timer scheduled on a loop from another thread)."""
+    if thread_loop == "uvloop":
+        pytest.importorskip("uvloop", reason="uvloop is not installed")
+    # (A process of its own: the default context has been used by other tests here.)
+    done = subprocess.run(
+        [sys.executable, "-c", _DEFAULT_CONTEXT_IN_TWO_LOOPS, thread_loop],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1.0", "1.0"]
 
 
 def test_stall_option_validation():
