@@ -559,11 +559,23 @@ class Rendezvous:
         return None
 
     def _exit_message(self, call: _Call, replica: int, how: str) -> str:
-        waiting = call.arrivals()
-        verb = "waits" if len(waiting) == 1 else "wait"
+        # Those that arrived may have finished since (a collective started and never
+        # awaited), and a task that ``replica`` left running may have called it late:
+        # neither waits in it.
+        arrived = call.arrivals()
+        waiting = [r for r in arrived if r not in self.exited]
+        finished = [r for r in arrived if r in self.exited and r != replica]
+        clauses = []
+        if waiting:
+            clauses.append(f"{_replicas(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in it")
+        if finished:
+            have = "has" if len(finished) == 1 else "have"
+            clauses.append(f"{_replicas(finished)} called it and {have} finished since")
+        if replica in arrived:
+            clauses.append(f"a task that replica {replica} left running called it after that")
         return (
             f"{call.label}: replica {replica} {how} without calling it, while "
-            f"{_replicas(waiting)} {verb} in it; {_ORDER_HINT}. "
+            f"{' and '.join(clauses)}; {_ORDER_HINT}. "
             "Probably a replica skipped a collective on some condition."
         )
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import aiodist
-from tests.conftest import cpu_devices, task_factory
+from tests.conftest import cpu_devices, task_factory, wait_until
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -82,6 +82,47 @@ async def test_replica_returns_before_others_arrive(two):
     assert isinstance(raised, aiodist.ReplicaExitedError)
     assert list(errors) == [1]
     assert "merge_call #0: replica 0 returned without calling it" in str(raised)
+
+
+async def test_the_exit_message_says_who_waits_and_who_finished(two):
+    """A replica that started the collective and returned without awaiting it does not
+    wait in it, nor does a replica whose left-behind task called it late."""
+    started = []
+
+    async def never_awaits():
+        if rid() == 0:
+            started.append(aiodist.get_replica_context().all_reduce("sum", 1.0))
+        return rid()
+
+    await two.run(never_awaits)
+    with pytest.raises(aiodist.ReplicaExitedError) as info:
+        await started[0]
+    assert (
+        "all_reduce #0: replica 1 returned without calling it, while replica 0 called it "
+        "and has finished since; every replica"
+    ) in str(info.value)
+
+    left_behind = []
+
+    async def late(ctx):
+        await asyncio.sleep(0)
+        return await ctx.all_reduce("sum", 1.0)
+
+    async def leaves_a_task():
+        ctx = aiodist.get_replica_context()
+        if rid() == 0:
+            left_behind.append(asyncio.create_task(late(ctx)))
+            return None
+        await wait_until(lambda: left_behind[0].done(), "the late call failed")
+        return await ctx.all_reduce("sum", 1.0)
+
+    errors, raised = await run_collecting(two, leaves_a_task)
+    assert errors == {1: raised}
+    assert str(raised).startswith(
+        "all_reduce #0: replica 0 returned without calling it, while a task that replica 0 "
+        "left running called it after that; every replica"
+    )
+    assert left_behind[0].exception() is raised
 
 
 async def test_replica_that_made_fewer_calls(three):
