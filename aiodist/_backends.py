@@ -15,8 +15,12 @@ surface:
   after each replica's pending work and each replica's later work after it
   (CUDA events), and ``enter_cross_replica(token)`` /
   ``leave_cross_replica(saved)``, which make the streams that work is issued on
-  current around each synchronous stretch of it. The host needs none of these:
-  its work is done when issued, and the scheduler does not call them;
+  current around each synchronous stretch of it, and
+  ``order_replicas_after(slots)`` / ``order_after_replicas(slots)``, which order
+  the replica streams after the devices' current streams, or those after the
+  replica streams (a run's start and end, input placement, cross-replica calls
+  outside a run). The host needs none of these: its work is done when issued,
+  and nothing calls them there;
 - ``on_device(device)`` is a context manager making ``device`` current (where
   kernels and copies go), ``asarray(value, device)`` places a value on a
   device, ``host_array(value)`` copies one back, and ``xp`` is the array namespace

@@ -21,7 +21,11 @@ A ``Batcher`` turns many concurrent single requests into few batches:
   ``stop(deadline)`` stops admitting, lets queued and running batches finish
   within ``deadline`` seconds, then cancels what is left. ``lifespan()`` wraps
   both for an ASGI lifespan (Starlette's ``lifespan=``); aiohttp can call
-  ``start``/``stop`` from ``on_startup``/``on_cleanup``.
+  ``start``/``stop`` from ``on_startup``/``on_cleanup``;
+- like a strategy, a batcher may outlive its event loop: one left serving on a
+  loop that has closed starts afresh on the next loop's ``start()``. ``submit``
+  on another loop raises ``NotServing``, and so does ``start()`` while the first
+  loop is still open.
 
 No web framework is imported here.
 """

@@ -15,6 +15,10 @@ inside a ``merge_fn``          s           None       None (cross-replica contex
 Every asyncio task copies the context it was created in, so concurrent tasks (a
 server's requests, the replicas of one run) never see each other's state:
 unlike TensorFlow's thread-local stacks, nothing leaks between coroutines.
+
+``strategy.scope()`` returns a ``Scope``: as TF's, one object may be entered
+again inside its own block, and tasks and threads sharing it may leave it in any
+order (each entry is undone by the task or thread that made it).
 """
 
 from __future__ import annotations

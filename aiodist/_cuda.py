@@ -12,8 +12,13 @@ This module imports CuPy, so nothing imports it until a GPU device is asked for
    Cross-replica work runs on one *cross stream* per device. Before it starts,
    every cross stream waits on an event recorded on every replica stream
    (``begin_cross_replica``); after it is issued, every replica stream waits on
-   an event recorded on every cross stream (``end_cross_replica``). Nothing
-   here blocks the event loop: the host only *issues* work.
+   an event recorded on every cross stream (``end_cross_replica``). Work that
+   passes between the devices' current streams and the replica streams (a run's
+   start and end, input shards, cross-replica calls outside a run, variable
+   writes, ``extended.update``) is ordered the same way, by
+   ``order_replicas_after`` / ``order_after_replicas``: replica streams are
+   non-blocking, so nothing else orders them against the default stream.
+   Nothing here blocks the event loop: the host only *issues* work.
 3. **Waiting for the GPU from async code polls an event from the loop**
    (``wait_event``): ``cudaEventQuery`` with a growing pause (``_poll``), never a host
    callback on the driver's thread, and never ``Event.done``, which reports a

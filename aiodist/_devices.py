@@ -2,7 +2,9 @@
 
 Accepted spellings (any case): ``"GPU:0"``, ``"/gpu:0"``, ``"device:GPU:0"``,
 ``"/device:GPU:0"`` and ``"/job:localhost/replica:0/task:0/device:GPU:1"``, and the
-same for ``CPU``. The canonical form is ``"/device:GPU:0"``.
+same for ``CPU``. The canonical form is ``"/device:GPU:0"``. Devices of other jobs
+or tasks are refused: several workers run as ``MultiWorkerMirroredStrategy``,
+each listing its own devices.
 """
 
 from __future__ import annotations

@@ -3,20 +3,33 @@
 ``strategy.experimental_distribute_dataset(dataset)`` takes any iterable or
 async iterable of *global batches* (an array, or a nested structure of arrays
 sharing a leading batch axis) and yields ``PerReplica`` batches: rows split
-along axis 0, as evenly as possible, earlier replicas taking the extra rows.
+along axis 0, as evenly as possible, earlier replicas taking the extra rows. A
+nested batch comes out as that structure with a ``PerReplica`` at every leaf
+(one the shards share included, as TF's ``always_wrap``). ``PER_REPLICA`` is
+refused here, as in TF: it is for ``distribute_datasets_from_function``.
 
 ``strategy.distribute_datasets_from_function(dataset_fn)`` lets the user build
 the per-replica batches: ``dataset_fn(InputContext)`` is called once
 (``PER_WORKER``: replicas take consecutive elements) or once per replica
-(``PER_REPLICA``).
+(``PER_REPLICA``). ``dataset_fn`` is a plain function; an ``async def`` one is
+refused at the call (an async generator function is fine: calling it gives the
+async iterable).
 
 Prefetching: ``async for`` starts one producer task per iteration that keeps at
 most ``InputOptions.experimental_per_replica_buffer_size`` elements fetched
 ahead of the consumer (a semaphore bounds it, so memory stays bounded). The
 producer holds no reference to the iterator, so leaving an ``async for`` early
 (``break``) drops the iterator, which cancels the producer and closes the
-source; ``aclose()`` or ``async with`` do the same explicitly. Exceptions from
-the user's dataset reach the ``async for`` unchanged.
+source; ``aclose()`` or ``async with`` do the same explicitly. After
+``aclose()`` the iteration is over, as an async generator's: batches fetched
+ahead are dropped, and every ``anext`` (one already waiting included) raises
+``StopAsyncIteration``; an error the source raises while it is closed is raised
+by ``aclose()``, once. Exceptions from the user's dataset reach the
+``async for`` unchanged.
+
+On GPUs each shard is copied on its replica's stream, after that stream waits
+for the device's current stream (where the source may make its arrays), and the
+current streams then wait for the copies (see docs/gpu.md).
 
 A batch handed out never changes under its user, even when the source refills
 one buffer for every element (as data loaders do): while prefetching, or when
@@ -58,7 +71,8 @@ __all__ = [
 
 
 class InputReplicationMode(enum.Enum):
-    """How ``distribute_datasets_from_function`` calls ``dataset_fn``."""
+    """How ``distribute_datasets_from_function`` calls ``dataset_fn``
+    (``experimental_distribute_dataset`` takes only ``PER_WORKER``, as in TF)."""
 
     PER_WORKER = "PER_WORKER"  # once; replicas take consecutive elements
     PER_REPLICA = "PER_REPLICA"  # once per replica; each iterates its own

@@ -23,7 +23,10 @@ outlives event loops (pytest-asyncio, uvicorn reloads) and holds none.
 On backends with streams, cross-replica work is bracketed by the backend hooks
 ``begin_cross_replica`` / ``end_cross_replica`` (CUDA events), so it is ordered
 after every replica's pending work and before every replica's later work
-without blocking the loop.
+without blocking the loop. The run as a whole is ordered against the caller's
+current streams the same way: the replica streams wait for them before any
+replica step (``order_replicas_after``), and they wait for the replica streams
+when the run ends (``order_after_replicas``).
 """
 
 from __future__ import annotations

@@ -336,7 +336,11 @@ class Strategy:
         return snapshot(self._counters, self._live_groups, time.perf_counter())
 
     def scope(self) -> contextlib.AbstractContextManager[Strategy]:
-        """Make this strategy current and enter cross-replica context (``with``)."""
+        """Make this strategy current and enter cross-replica context (``with``).
+
+        Where this strategy is already current (its scope, its ``run``), entering
+        changes nothing; one scope object may be entered again inside its own block.
+        """
         return _context.scope_of(self)
 
     # -- running replicas --------------------------------------------------------------
@@ -391,7 +395,8 @@ class Strategy:
         When ``value_fn`` returns a nested structure (lists, tuples, namedtuples,
         dicts), the result is that structure with a ``PerReplica`` at each leaf, as
         TF's is and as a distributed dataset's batches are; the replicas' structures
-        must nest alike.
+        must nest alike. ``value_fn`` is a plain function: an ``async def`` one is
+        refused with ``InvalidArgumentError`` (nothing would await it).
 
         Examples:
             >>> import aiodist
@@ -437,7 +442,9 @@ class Strategy:
 
         ``dataset`` is any iterable or async iterable of arrays or nested
         structures of arrays sharing a leading batch axis. Iterate the result
-        with ``async for`` (prefetched) or, for sync sources, ``for``.
+        with ``async for`` (prefetched) or, for sync sources, ``for``; a nested
+        batch comes out with a ``PerReplica`` at every leaf. As in TF,
+        ``options.experimental_replication_mode=PER_REPLICA`` is refused here.
         """
         return DistributedDataset(self, dataset, options)
 
@@ -449,15 +456,19 @@ class Strategy:
         ``PER_WORKER`` (default): called once, replicas take consecutive elements.
         ``PER_REPLICA``: called once per replica. When a source runs out first, the
         replicas it feeds get empty batches until every source is exhausted.
+        ``dataset_fn`` is a plain function (it may return an async iterable); an
+        ``async def`` one is refused with ``InvalidArgumentError``.
         """
         return from_function(self, dataset_fn, options)
 
     def experimental_local_results(self, value: Any) -> tuple:
         """The components of ``value``, one per local replica.
 
-        A distributed value gives its components; a nested structure gives one
-        structure per replica with each distributed value in it replaced by that
-        replica's component; any other value gives ``(value,)``.
+        A distributed value gives its components; a distributed variable, each
+        replica's copy (replicas sharing a mirrored copy show it once each); a
+        nested structure gives one structure per replica with each distributed
+        value or variable in it replaced by that replica's component or copy; any
+        other value gives ``(value,)``.
         """
         if isinstance(value, DistributedValues):
             return value.values

@@ -14,6 +14,11 @@ arguments to replica *i*, and how a ``merge_fn`` result reaches each replica.
 *Regrouping* (``regroup``) is the inverse: N per-replica structures of the same
 nesting become one structure whose leaves are ``PerReplica`` values, except
 leaves that are the very same object on every replica, which stay as they are.
+Distributed datasets and ``experimental_distribute_values_from_function`` wrap
+those too (``regroup_wrapping_every_leaf``, TF's ``always_wrap``).
+
+Devices given as strings (``PerReplica(values, ["cpu:0", "cpu:1"])``) are held as
+``Device`` objects; ``devices`` shows their canonical names.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ __all__ = [
 class DistributedValues:
     """One value per replica. Not built directly: use ``PerReplica`` or ``Mirrored``.
 
+    ``devices``, if given, names one device per value, in any spelling
+    (``"cpu:1"``, ``"/device:CPU:1"``, a ``Device``).
     ``strategy.experimental_local_results(v)`` gives the components as a tuple.
     """
 
