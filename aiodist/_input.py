@@ -411,6 +411,9 @@ class DistributedIterator:
         generator's ``aclose()`` raises it."""
         first = not self._closed
         self._closed = True
+        if first and self._sync_source is not None:  # read by a plain `for` so far
+            source, self._sync_source = self._sync_source, None
+            await source.aclose()
         if self._pipeline is not None:
             self._pipeline.cancel()
             [outcome] = await asyncio.gather(self._pipeline.task, return_exceptions=True)
@@ -432,6 +435,8 @@ class DistributedIterator:
         return self
 
     def __next__(self) -> Any:
+        if self._closed:  # after aclose(), as for `async for`
+            raise StopIteration
         if self._sync_source is None:
             source = self._dataset._open()
             if source.is_async:

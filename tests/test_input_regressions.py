@@ -20,6 +20,24 @@ async def test_next_after_aclose_ends_instead_of_hanging(two):
         await asyncio.wait_for(anext(iterator), 2)
 
 
+async def test_aclose_ends_a_plain_iteration_and_closes_its_source(two):
+    closed = []
+
+    def source():
+        try:
+            for i in range(100):
+                yield np.full(2, i)
+        finally:
+            closed.append(True)
+
+    iterator = iter(two.experimental_distribute_dataset(source()))
+    next(iterator)
+    await iterator.aclose()
+    assert closed == [True]
+    with pytest.raises(StopIteration):
+        next(iterator)
+
+
 async def test_source_raising_cancelled_error_reaches_the_consumer(two):
     def source():
         yield np.arange(2)
