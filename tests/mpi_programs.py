@@ -9,6 +9,7 @@ replicas, to compare.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -652,6 +653,70 @@ async def _structures(strategy: aiodist.Strategy) -> list:
     return refused
 
 
+async def _after_agreed(strategy: aiodist.Strategy) -> dict:
+    """Run 1 fails on worker 1 after its all_reduce's headers agreed, while the data
+    step waits for worker 0 (whose loop is blocked 1 s before it issues its own):
+    AIODIST_TEST_HOW is "raise" (a replica raises) or "cancel" (the run is
+    cancelled). Then run 2 and a strategy.reduce on every worker."""
+    how = os.environ.get("AIODIST_TEST_HOW", "raise")
+    w = strategy.worker_index
+    out = {}
+
+    async def step(k):
+        ctx = aiodist.get_replica_context()
+        pending = ctx.all_reduce("sum", np.float64(10 * k + w))
+        if k == 1 and w == 0:
+            for _ in range(3):  # its collective's task posts its header
+                await asyncio.sleep(0)
+            time.sleep(1.0)  # its loop is blocked: its data step is issued 1 s late
+        if k == 1 and w == 1:
+            await asyncio.sleep(0.6)  # the headers agreed; the data step waits
+            if how == "raise":
+                raise ValueError("bad batch on worker 1")
+        return await pending
+
+    for k in (1, 2):
+        started = time.monotonic()
+        try:
+            if k == 1 and w == 1 and how == "cancel":
+                result = await asyncio.wait_for(strategy.run(step, args=(k,)), 0.6)
+            else:
+                result = await strategy.run(step, args=(k,))
+            out[f"run{k}"] = _plain(strategy.experimental_local_results(result))
+        except Exception as exc:
+            out[f"run{k}"] = [type(exc).__name__, str(exc)]
+        out[f"after{k}"] = round(time.monotonic() - started, 2)
+    try:
+        out["reduce"] = float(await strategy.reduce("sum", np.float64(w), axis=None))
+    except Exception as exc:
+        out["reduce"] = [type(exc).__name__, str(exc)]
+    return out
+
+
+async def _close_after_failure(strategy: aiodist.Strategy) -> dict:
+    """Run 1 fails on worker 1 after its last collective: its failure header stays
+    pending (the others finished that run and make no further call). Then every
+    worker closes the strategy: its communicator must be freed, its thread end."""
+    from mpi4py import MPI
+
+    async def step():
+        total = await aiodist.get_replica_context().all_reduce("sum", 1.0)
+        if strategy.worker_index == 1:
+            raise ValueError("bad result on worker 1")
+        return total
+
+    with contextlib.suppress(ValueError):
+        await strategy.run(step)
+    world = strategy._world
+    strategy.close()
+    freed = world.comm == MPI.COMM_NULL
+    after = _threads()
+    again = aiodist.MultiWorkerMirroredStrategy(1)  # a new one still pairs
+    total = float(await again.reduce("sum", np.float64(1.0), axis=None))
+    again.close()
+    return {"freed": freed, "threads": after, "again": total}
+
+
 def _run(coro):
     """On the loop named by AIODIST_TEST_LOOP: uvloop (aiodist.run's) or asyncio."""
     if os.environ.get("AIODIST_TEST_LOOP") == "asyncio":
@@ -666,6 +731,7 @@ _BOUNDED = (
     "give_up",
     "long_headers",
     "overlapped",
+    "after_agreed",
 )  # a 30 s timeout: failing at once shows
 
 
@@ -690,6 +756,8 @@ def main() -> None:
         "fail_then_go_on": _fail_then_go_on,
         "failures_keep_the_order": _failures_keep_the_order,
         "overlapped": _overlapped,
+        "after_agreed": _after_agreed,
+        "close_after_failure": _close_after_failure,
         "stall": _stall,
         "closing": _closing,
         "close_in_flight": _close_in_flight,
