@@ -1301,8 +1301,9 @@ class _WorkerGroup(RunGroup):
 
     def _replica_failed(self, rid: int, exc: BaseException) -> None:
         if self._failure is None and not isinstance(exc, asyncio.CancelledError):
-            # (its global id: named in the failure header)
+            # (its global id and exception: named in the failure header)
             self.strategy._failed_replica = self.strategy._replica_offset + rid
+            self.strategy._failed_with = exc
         super()._replica_failed(rid, exc)
 
     async def _across_workers(self, number: int, signature: Any, payloads: list) -> list:
@@ -1499,6 +1500,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             self._locks: dict[Any, asyncio.Lock] = {}
             # The replica whose exception failed the run in flight (runs are serialised).
             self._failed_replica: int | None = None
+            self._failed_with: BaseException | None = None
             # The thread and communicator end with the strategy (close(), or once it is
             # garbage, or at exit); the finalizer holds the world, never the strategy.
             self._finalizer = weakref.finalize(self, world.close)
@@ -1563,7 +1565,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             world = self._world
             run = _Run()  # numbered at its first cross-worker exchange (World.run_key)
             token = _current_run.set(run)
-            self._failed_replica = None
+            self._failed_replica = self._failed_with = None
             try:
                 return await super().run(fn, args, kwargs, options)
             except BaseException as exc:
@@ -1575,6 +1577,12 @@ class MultiWorkerMirroredStrategy(Strategy):
                 _current_run.reset(token)
 
     def _failure_text(self, run: int, exc: BaseException) -> str:
+        if isinstance(exc, asyncio.CancelledError) and isinstance(
+            self._failed_with, SystemExit | KeyboardInterrupt
+        ):
+            # It left the event loop at once (asyncio's rule for these two), and the
+            # loop's shutdown then cancelled the run: the replica's is the cause.
+            exc = self._failed_with
         if isinstance(exc, asyncio.CancelledError):
             how = "was cancelled"
         else:

@@ -717,6 +717,23 @@ async def _close_after_failure(strategy: aiodist.Strategy) -> dict:
     return {"freed": freed, "threads": after, "again": total}
 
 
+async def _exit_in_replica(strategy: aiodist.Strategy) -> dict:
+    """Worker 1's replica calls sys.exit(3) before its all_reduce (the process
+    ends); worker 0's run must name the SystemExit, not a cancellation."""
+
+    async def step():
+        if strategy.worker_index == 1:
+            await asyncio.sleep(0.2)
+            sys.exit(3)
+        return await aiodist.get_replica_context().all_reduce("sum", 1.0)
+
+    try:
+        await strategy.run(step)
+    except aiodist.AiodistError as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+    return {"error": None}
+
+
 def _run(coro):
     """On the loop named by AIODIST_TEST_LOOP: uvloop (aiodist.run's) or asyncio."""
     if os.environ.get("AIODIST_TEST_LOOP") == "asyncio":
@@ -732,6 +749,7 @@ _BOUNDED = (
     "long_headers",
     "overlapped",
     "after_agreed",
+    "exit_in_replica",
 )  # a 30 s timeout: failing at once shows
 
 
@@ -758,6 +776,7 @@ def main() -> None:
         "overlapped": _overlapped,
         "after_agreed": _after_agreed,
         "close_after_failure": _close_after_failure,
+        "exit_in_replica": _exit_in_replica,
         "stall": _stall,
         "closing": _closing,
         "close_in_flight": _close_in_flight,

@@ -199,6 +199,19 @@ def test_a_run_failing_on_one_worker_fails_on_every_worker_and_the_next_run_pair
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_sys_exit_in_a_replica_is_named_to_the_other_workers(loop):
+    """Before, the others were told "its run 1 was cancelled": SystemExit leaves
+    the event loop at once, and the loop's shutdown cancels the run."""
+    rc, results, output, _ = _program(2, "exit_in_replica", [1, 1], loop=loop)
+    assert rc != 0  # worker 1's process exits with status 3
+    assert 0 in results, output[-3000:]
+    message = results[0]["message"]
+    assert results[0]["error"] == "ReplicaExitedError", results[0]
+    assert "worker 1 (replica 1) will not join it: its run 1 failed: replica 1 raised " in message
+    assert "SystemExit: 3" in message and "cancelled" not in message
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_failed_runs_never_make_the_workers_order_drift(loop):
     """Before, a run failing on worker 0 after its last collective made the others'
     next run raise and every later run mismatch (run numbers drifted); and a failure
