@@ -419,6 +419,10 @@ class World:
         self._probe: asyncio.Future | None = None
         self._told: list = []  # abort messages sent (their buffers)
         self._pending: list[_Posted] = []  # failure headers in flight (tell_failure)
+        # The order numbers of those whose peers' headers were read (_read_unread),
+        # and what each failure header found there said (run -> who and how).
+        self._read: set[int] = set()
+        self._failures: dict[int, str] = {}
         self.closed = False
         self.stall_warning_seconds: float | None = None  # the strategy's, once it is built
         self._progress = _Progress()
@@ -876,12 +880,10 @@ class World:
         exchange is made again at the next place."""
         turn = _current_turn.get()
         current = _current_run.get()
+        self._read_unread(math.inf)
         if current is not None and current.number in self.failed_runs:
             # (a header of it would only be stale for the others)
-            raise ReplicaExitedError(
-                f"{what}: its run {current.number} already failed on every worker (see "
-                "that run's first error), so this call of it is not made."
-            )
+            raise ReplicaExitedError(self._dead(what, current.number))
         while self._probe is not None:  # one exchange at a time after a failed run
             await asyncio.shield(self._probe)
         probe = None
@@ -973,6 +975,7 @@ class World:
         """
         if not arrived:
             self._missing(what, timeout, posted.peers, posted.marks)
+        self._read_unread(posted.mine["order"])
         headers = self._headers(posted.mine, posted.received)
         run = posted.mine["run"]
         dead = run is not None and run in self.failed_runs
@@ -1000,16 +1003,50 @@ class World:
                 "so the program may go on with its next run."
             )
         if dead:
-            raise ReplicaExitedError(
-                f"{what}: its run {run} already failed on every worker (see that run's "
-                "first error), so this call of it is given up; the workers' order of "
-                "operations is kept."
-            )
+            raise ReplicaExitedError(self._dead(what, run))
         if stale:
             return None
         self._recovering = False  # (no stale header follows a place without one)
         self._check(headers, what)
         return headers
+
+    def _dead(self, what: str, run: int) -> str:
+        known = self._failures.get(run)
+        if known is not None:  # met beside this worker's own failure header
+            return (
+                f"{what}: {known}. A run that fails on one worker fails on every worker; "
+                "the workers' order of operations is kept, so the program may go on "
+                "with its next run."
+            )
+        return (
+            f"{what}: its run {run} already failed on every worker (see that run's "
+            "first error), so this call of it is given up; the workers' order of "
+            "operations is kept."
+        )
+
+    def _read_unread(self, before: float) -> None:
+        """Read the peers' headers at the places of this worker's exchanges nobody
+        waits for (``_pending``: its failure headers, exchanges given up) before
+        ``before``. A peer's failure header can share such a place (two runs
+        failed on two workers): every other worker saw it there, so this one must
+        know that run failed too, or its own run of that number would meet the
+        others' next run (a mismatch). Each peer's headers arrive in order, so
+        once a later place's are in, these are."""
+        for posted in self._pending:
+            order = posted.mine["order"]
+            count = len(posted.peers)
+            marks = posted.marks[:count]  # (empty until the thread posts them)
+            if order >= before or order in self._read or len(marks) < count or not all(marks):
+                continue
+            self._read.add(order)
+            for worker, receive in posted.received.items():
+                header = json.loads(bytes(receive.buffer))
+                theirs = header.get("run")
+                if header.get("failed") and theirs not in self.failed_runs:
+                    self._run_failed(theirs)  # (not counted: this worker runs it still)
+                    self._failures[theirs] = (
+                        f"{self.who(worker)} will not join it: {header['failed']}"
+                    )
 
     def tell_failure(self, run: int, text: str) -> None:
         """This worker's run number ``run`` failed (``text`` says how): a *failure
@@ -1018,7 +1055,9 @@ class World:
         this worker instead of waiting for it until their timeout (or, where they
         had finished that run, take the place as stale). Not waited for here: the
         peers' headers for that place need no check."""
+        self._read_unread(math.inf)
         self._pending = [p for p in self._pending if not p.future.done()]
+        self._read &= {p.mine["order"] for p in self._pending}
         self._run_failed(run)
         if self.broken is not None or self._progress.aborted is not None or self.size == 1:
             return
