@@ -80,9 +80,8 @@ def test_fixtures_and_marker_parametrize_replica_counts(pytester):
     )
 
 
-def test_gpu_fixture_skips_with_a_reason_without_a_gpu(pytester):
-    if importlib.util.find_spec("cupy") is not None:
-        pytest.skip("this machine has CuPy: the fixture may not skip here")
+def _run_gpu_fixture_test(pytester):
+    """A test using aiodist_gpu_strategy, run where it must skip: its result."""
     result = run(
         pytester,
         """
@@ -92,6 +91,13 @@ def test_gpu_fixture_skips_with_a_reason_without_a_gpu(pytester):
         "-rs",
     )
     result.assert_outcomes(skipped=1)
+    return result
+
+
+def test_gpu_fixture_skips_with_a_reason_without_a_gpu(pytester):
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("this machine has CuPy: the fixture may not skip here")
+    result = _run_gpu_fixture_test(pytester)
     result.stdout.fnmatch_lines(["*no GPU visible to CuPy*aiodist[[]cuda12[]]*"])
 
 
@@ -100,15 +106,7 @@ def test_gpu_fixture_skips_with_cupys_own_reason(pytester):
     # the reason is CUDA's, not "install CuPy".
     if importlib.util.find_spec("cupy") is None or visible_gpu_count() > 0:
         pytest.skip("needs CuPy installed on a machine where it sees no GPU (tox -e nodriver)")
-    result = run(
-        pytester,
-        """
-        def test_on_gpu(aiodist_gpu_strategy):
-            raise AssertionError("must not run without a GPU")
-        """,
-        "-rs",
-    )
-    result.assert_outcomes(skipped=1)
+    result = _run_gpu_fixture_test(pytester)
     result.stdout.fnmatch_lines(["*no GPU visible to CuPy: device '/device:GPU:0' is a GPU, but*"])
     result.stdout.no_fnmatch_line("*CuPy is not installed*")
     result.stdout.no_fnmatch_line("*(install CuPy with*")
@@ -176,24 +174,23 @@ async def test_assert_same_on_replicas_combine_modes():
         await assert_same_on_replicas(wrong_shape, batch)
 
 
-@pytest.mark.parametrize("combine", ["concatenate", "First", "avg", None])
-async def test_assert_same_on_replicas_names_the_combine_modes(combine):
+_COMBINE_EXPECTED = r"combine=.*; expected 'concat', 'first', or a reduce op"
+_REPLICAS_EXPECTED = r"replicas=.*; expected a sequence of one or more replica counts >= 1"
+
+
+@pytest.mark.parametrize(
+    ("keyword", "value", "expected"),
+    [("combine", v, _COMBINE_EXPECTED) for v in ("concatenate", "First", "avg", None)]
+    + [("replicas", v, _REPLICAS_EXPECTED) for v in ((), (0, 2), (1, 2.0), (True,), 4, "12")],
+)
+async def test_assert_same_on_replicas_names_what_combine_and_replicas_take(
+    keyword, value, expected
+):
     async def predict(rows):
         return rows * 2.0
 
-    expected = r"combine=.*; expected 'concat', 'first', or a reduce op"
     with pytest.raises(aiodist.InvalidArgumentError, match=expected):
-        await assert_same_on_replicas(predict, np.ones((4, 2)), combine=combine)
-
-
-@pytest.mark.parametrize("replicas", [(), (0, 2), (1, 2.0), (True,), 4, "12"])
-async def test_assert_same_on_replicas_checks_the_replica_counts(replicas):
-    async def predict(rows):
-        return rows * 2.0
-
-    expected = r"replicas=.*; expected a sequence of one or more replica counts >= 1"
-    with pytest.raises(aiodist.InvalidArgumentError, match=expected):
-        await assert_same_on_replicas(predict, np.ones((4, 2)), replicas=replicas)
+        await assert_same_on_replicas(predict, np.ones((4, 2)), **{keyword: value})
 
 
 async def test_assert_same_on_replicas_compares_shapes_and_structures():
