@@ -161,10 +161,9 @@ class _Progress:
         self._work.put((start, future, marks))
         return future, marks
 
-    def close(self, finish: Callable[[list | None], None], wait: float) -> None:
-        """End the thread: it calls ``finish(active)`` as its last step (``active``:
-        the work in flight, ``(requests, future, marks)`` each; None once a peer's
-        abort came); wait for that for at most ``wait`` seconds."""
+    def close(self, finish: Callable[[bool], None], wait: float) -> None:
+        """End the thread: it calls ``finish(idle)`` (``idle``: no request of its own
+        in flight) as its last step; wait for that for at most ``wait`` seconds."""
         self._work.put((finish, _CLOSE, None))
         # The finalizer may run on this very thread (the cyclic garbage collector runs
         # wherever an allocation triggers it): it can only leave the close queued.
@@ -182,7 +181,7 @@ class _Progress:
             if item is not None:
                 start, future, marks = item
                 if future is _CLOSE:
-                    start(active if self.aborted is None else None)
+                    start(not active and self.aborted is None)
                     for _requests, waiting, _marks in active:  # nothing completes them now
                         if not waiting.done():
                             waiting.set_exception(_closed_error())
@@ -320,12 +319,6 @@ class _Receive:
             self._request = message.Irecv([self.buffer, self._MPI.BYTE])
             self._previous = None  # (no chain of receives kept alive)
         return self._request.Test()
-
-    def Cancel(self) -> None:  # (an MPI request's name too)
-        """Give the receive up (when the strategy closes): nothing matches it later."""
-        if self._request is not None and not self._request.Test():
-            self._request.Cancel()
-            self._request.Wait()
 
 
 class _Turn:
@@ -524,16 +517,6 @@ class World:
             "strategy on every worker."
         )
 
-    def usable_for_closing(self) -> bool:
-        """Whether ``strategy.close()`` exchanges its closing headers: not once
-        closed, or the order is lost (then the communicator is never freed)."""
-        return (
-            not self.closed
-            and self.size > 1
-            and self.broken is None
-            and self._progress.aborted is None
-        )
-
     def close(self) -> None:
         """End the communication thread and free the private communicator (unless
         the order is lost: then MPI calls may block, and the job ends anyway).
@@ -547,27 +530,10 @@ class World:
             _fail_soon(waiter, _closed_error)
         watches = self._progress._watches
         comm = self.comm
-        # Exchanges nobody waits for (failure headers, exchanges given up): their
-        # receives wait for headers the peers will never send once they close too.
-        unread = {id(posted.future) for posted in self._pending}
 
-        def finish(active: list | None) -> None:
-            if active is None or self.broken is not None or comm is None:
+        def finish(idle: bool) -> None:
+            if not idle or self.broken is not None or comm is None:
                 return
-            if any(id(future) not in unread for _requests, future, _marks in active):
-                return  # an operation's requests: MPI calls may block
-            deadline = time.monotonic() + 1.0
-            for requests, _future, marks in active:
-                for done, request in zip(marks, requests, strict=True):
-                    if done:
-                        continue
-                    if isinstance(request, _Receive):
-                        request.Cancel()
-                        continue
-                    while not request.Test():  # a header sent: small, so it completes
-                        if time.monotonic() > deadline:
-                            return
-                        time.sleep(0.001)
             for _worker, request, _buffer in watches:  # the abort receives
                 request.Cancel()
                 request.Wait()
@@ -1552,22 +1518,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         communicator. Call it on every worker when done with the strategy (it is
         also done when the strategy is garbage, and at exit); later cross-worker
         calls on it raise ``InvalidArgumentError``. Refused (``InvalidArgumentError``,
-        naming them) while a run or cross-worker operation of it is in flight.
-
-        Closing is a short exchange of the workers, in the order like any
-        cross-worker call: headers a peer sent that this worker never read (a
-        failed run's failure header, where the others had finished that run) are
-        read there, so none is left to a later communicator (MPI reuses a freed
-        one's context for the next, where it would meet the next strategy's
-        headers)."""
-        world = self._world
-        world.refuse_close(any(lock.locked() for lock in self._locks.values()))
-        if world.usable_for_closing():
-            world.agree_now(
-                "closing the strategy (strategy.close())",
-                "close",
-                self._communication_options.timeout_seconds,
-            )
+        naming them) while a run or cross-worker operation of it is in flight."""
+        self._world.refuse_close(any(lock.locked() for lock in self._locks.values()))
         self._finalizer()
 
     def __repr__(self) -> str:

@@ -9,7 +9,6 @@ replicas, to compare.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -693,30 +692,6 @@ async def _after_agreed(strategy: aiodist.Strategy) -> dict:
     return out
 
 
-async def _close_after_failure(strategy: aiodist.Strategy) -> dict:
-    """Run 1 fails on worker 1 after its last collective: its failure header stays
-    pending (the others finished that run and make no further call). Then every
-    worker closes the strategy: its communicator must be freed, its thread end."""
-    from mpi4py import MPI
-
-    async def step():
-        total = await aiodist.get_replica_context().all_reduce("sum", 1.0)
-        if strategy.worker_index == 1:
-            raise ValueError("bad result on worker 1")
-        return total
-
-    with contextlib.suppress(ValueError):
-        await strategy.run(step)
-    world = strategy._world
-    strategy.close()
-    freed = world.comm == MPI.COMM_NULL
-    after = _threads()
-    again = aiodist.MultiWorkerMirroredStrategy(1)  # a new one still pairs
-    total = float(await again.reduce("sum", np.float64(1.0), axis=None))
-    again.close()
-    return {"freed": freed, "threads": after, "again": total}
-
-
 async def _exit_in_replica(strategy: aiodist.Strategy) -> dict:
     """Worker 1's replica calls sys.exit(3) before its all_reduce (the process
     ends); worker 0's run must name the SystemExit, not a cancellation."""
@@ -775,7 +750,6 @@ def main() -> None:
         "failures_keep_the_order": _failures_keep_the_order,
         "overlapped": _overlapped,
         "after_agreed": _after_agreed,
-        "close_after_failure": _close_after_failure,
         "exit_in_replica": _exit_in_replica,
         "stall": _stall,
         "closing": _closing,

@@ -289,19 +289,6 @@ def test_a_dropped_or_closed_strategy_ends_its_communication_thread(loop):
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-def test_closing_after_a_failure_header_frees_the_communicator(loop):
-    """Run 1 fails on worker 1 after its last collective; its failure header waits
-    for headers the others never send. Before, close() left worker 1's communicator
-    (freed=False); freeing it anyway left that header in the others' queues, where
-    the next strategy's start-up met it (MPI reuses the context): a mismatch."""
-    rc, results, output, _ = _program(3, "close_after_failure", [1, 1, 1], loop=loop)
-    assert rc == 0, output[-3000:]
-    assert sorted(results) == [0, 1, 2], output[-3000:]
-    for result in results.values():
-        assert result == {"freed": True, "threads": 0, "again": 3.0}, result
-
-
-@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_strategy_collected_on_its_own_communication_thread_closes_it(loop):
     """Before, the finalizer joined the thread it ran on: RuntimeError."""
     rc, results, output, _ = _program(2, "finalizer_on_thread", [1, 1], loop=loop)
