@@ -31,7 +31,9 @@ Each run that takes part is numbered, and a collective's header holds the run's
 number and its call number, so call #0 of run 1 never meets call #0 of run 2. A
 run that fails on one worker (a replica raises, or it is cancelled) sends a
 *failure header* in place of its next call: the other workers raise naming it at
-once (``ReplicaExitedError``), and the order is kept.
+once (``ReplicaExitedError``), and the order is kept. A collective of that run
+whose header was already sent finishes in the background first (``World.operate``):
+the others may wait in its data step.
 After a timeout the cross-worker order is lost for good: the worker tells every
 peer (an abort message, whose arrival fails the peer's operations in flight),
 every later cross-worker call raises at once, and when the program exits it ends the whole
@@ -64,7 +66,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -387,7 +389,7 @@ class World:
         self.size = MPI.COMM_WORLD.Get_size()
         self.counts: list[int] = []  # known once every worker has said
         self.order = 0  # cross-worker operations issued so far
-        # Asynchronous operations begun and not finished (operation()): what each is.
+        # Asynchronous operations begun and not finished (operate()): what each is.
         self._operations: list[str] = []
         # The data steps' turns (take_turn): the order number whose turn it is, the
         # numbers done out of turn, and the operations waiting for theirs.
@@ -404,6 +406,11 @@ class World:
         # mismatch every worker saw): such a run has nothing left to tell, and a
         # header of it that a peer sent is stale (see _agreed).
         self.failed_runs: set[int] = set()
+        # Where each of them became known failed: the order number of the place that
+        # told it (its failure header's, a mismatch's). A place is classified from
+        # what the places before it told, which every worker knows alike (see _agreed).
+        self._failed_at: dict[int, int] = {}
+        self._background: set[asyncio.Task] = set()  # operations finishing for nobody
         # After a run failed, stale headers may follow (see _agreed): until one
         # exchange completes without one (``_probe``, done when it ends), exchanges
         # are posted one at a time, so each one found stale is made again before
@@ -556,10 +563,17 @@ class World:
 
         self._progress.watch(start)
 
-    def _run_failed(self, run: int | None) -> None:
-        if run is not None and run not in self.failed_runs:
+    def _run_failed(self, run: int | None, place: int) -> None:
+        """Run ``run`` failed, as the place of order number ``place`` told."""
+        if run is None:
+            return
+        self._failed_at[run] = min(place, self._failed_at.get(run, place))
+        if run not in self.failed_runs:
             self.failed_runs.add(run)
             self._recovering = True
+
+    def _failed_before(self, run: int | None, place: int) -> bool:
+        return run is not None and self._failed_at.get(run, math.inf) < place
 
     def run_key(self, run: _Run) -> int:
         """``run``'s number, numbering it now if it has none."""
@@ -594,21 +608,51 @@ class World:
     def in_flight(self) -> int:
         return len(self._operations)
 
-    @contextlib.contextmanager
-    def operation(self, what: str) -> Any:
-        """Marks an asynchronous cross-worker operation (headers, then data) as in
-        flight, so that a synchronous one (or ``close()``) cannot come in the middle
-        of it; and gives it its turn for the data step (``take_turn``)."""
+    async def operate(self, what: str, body: Callable[[], Awaitable[Any]]) -> Any:
+        """``await body()``, an asynchronous cross-worker operation (headers, then
+        data), in a task of its own. From this call on the operation is in flight,
+        so that a synchronous one (or ``close()``) cannot come in the middle of it;
+        it gets its turn for the data step (``take_turn``).
+
+        Cancelled (its run failed: a replica raised, or the run was cancelled) once
+        it has posted its header, it is not given up: the other workers may have
+        matched that header and wait in its data step. It finishes in the
+        background instead, with this worker's data (its exchange, then every
+        data step), its result thrown away; the run's failure header follows it in
+        the order, and the order is kept. Cancelled before, nothing of it was sent:
+        it is cancelled."""
         turn = _Turn()
-        token = _current_turn.set(turn)
         self._operations.append(what)
-        try:
-            yield
-        finally:
+
+        async def run_it() -> Any:
+            _current_turn.set(turn)  # (in the task's own context)
+            return await body()
+
+        def ended(_: object = None) -> None:  # (also where the task never started)
             self._operations.remove(what)
-            _current_turn.reset(token)
             if turn.ticket is not None:
                 self._release(turn.ticket)
+
+        try:
+            task = asyncio.ensure_future(run_it())
+        except BaseException:
+            ended()
+            raise
+        task.add_done_callback(ended)  # (before the caller's: it is out of flight first)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if turn.ticket is None:  # (no header posted yet)
+                task.cancel()
+            else:
+                self._background.add(task)
+                task.add_done_callback(self._finished_in_background)
+            raise
+
+    def _finished_in_background(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled():
+            task.exception()  # (nobody awaits it: its error is not this worker's to raise)
 
     async def take_turn(self, what: str) -> None:
         """Wait until every operation before this one in the order (its header's
@@ -763,7 +807,8 @@ class World:
     def _check(self, headers: list[dict], what: str) -> None:
         if len({(h["order"], h["key"]) for h in headers}) == 1:
             return
-        self._run_failed(headers[self.rank]["run"])  # (every worker sees this mismatch)
+        mine = headers[self.rank]
+        self._run_failed(mine["run"], mine["order"])  # (every worker sees this mismatch)
         seen = "; ".join(
             f"{self.who(w)}: {h['what']} (cross-worker operation #{h['order']})"
             for w, h in enumerate(headers)
@@ -886,12 +931,19 @@ class World:
             if turn is not None and turn.ticket == order:  # (no data step at this place)
                 turn.ticket = None
                 self._release(order)
+            run = posted.mine["run"]
+            if run is not None and run in self.failed_runs:
+                # Its run failed since this exchange was posted (this worker's failure
+                # header, or a peer's, already took a later place): it posts no more.
+                raise ReplicaExitedError(self._dead(what, run))
 
     def _given_up(self, posted: _Posted, what: str) -> None:
-        """``posted``'s wait was cancelled. If its run already failed on every worker,
-        each of them takes this place as stale (``_agreed``): the exchange is left to
-        complete on the thread, and the order is kept. Otherwise the others may have
-        matched it and wait for its data step: the order is lost."""
+        """``posted``'s wait was cancelled (``operate`` never cancels an operation
+        that posted its header, so: its own task was, at the loop's shutdown). If
+        its run already failed on every worker, each of them takes this place as
+        stale (``_agreed``): the exchange is left to complete on the thread, and the
+        order is kept. Otherwise the others may have matched it and wait for its
+        data step: the order is lost."""
         run = posted.mine["run"]
         if run is not None and run in self.failed_runs:
             self._pending.append(posted)
@@ -926,10 +978,13 @@ class World:
 
         A run that failed (``failed_runs``) leaves headers behind on the others: its
         failure header, which takes the run's next place and is never read back by
-        its sender, and the headers of its exchanges that were in flight, which
-        their senders give up. Every worker sees the same headers at a place, and
-        every worker knows the run failed (it sent, or saw, its failure header or
-        mismatch), so all classify them alike:
+        its sender, and the headers of its exchanges that were in flight where
+        the others learned of the failure first. Every worker sees the same
+        headers at a place, and a place is classified only from the failures the
+        places before it told (``_failed_at``: a failure header's place, a
+        mismatch's), which every worker knows alike; so all classify it alike (an
+        exchange this worker posted before its own run failed, which the others
+        matched, still agrees, and makes its data step: ``operate``):
 
         - a failure header for this worker's run in flight (or a run it never
           numbered) fails that run: ``ReplicaExitedError``, naming the worker;
@@ -937,30 +992,31 @@ class World:
           of a failed run that is not this worker's, is stale: the place is
           consumed, and the exchange is made again at the next one, so the run
           numbers and places of every worker stay paired;
-        - an exchange of this worker's own failed run raises, whatever it met.
+        - an exchange of this worker's own run, failed before this place, raises,
+          whatever it met.
         """
         if not arrived:
             self._missing(what, timeout, posted.peers, posted.marks)
         self._read_unread(posted.mine["order"])
         headers = self._headers(posted.mine, posted.received)
-        run = posted.mine["run"]
-        dead = run is not None and run in self.failed_runs
+        run, place = posted.mine["run"], posted.mine["order"]
+        dead = self._failed_before(run, place)
         failed, stale = [], False
         for worker, header in enumerate(headers):
             if worker == self.rank:
                 continue
             theirs = header.get("run")
             if header.get("failed"):
-                self._run_failed(theirs)
+                self._run_failed(theirs, place)
                 self.runs = max(self.runs, theirs)  # (it numbered a run this one did not)
                 if run is not None and theirs >= run:
                     failed.append((worker, header["failed"]))
                 else:
                     stale = True
-            elif theirs is not None and theirs != run and theirs in self.failed_runs:
+            elif theirs != run and self._failed_before(theirs, place):
                 stale = True
         if failed:
-            self._run_failed(run)
+            self._run_failed(run, place)
             raise ReplicaExitedError(
                 f"{what}: "
                 + "; ".join(f"{self.who(w)} will not join it: {text}" for w, text in failed)
@@ -1009,7 +1065,7 @@ class World:
                 header = json.loads(bytes(receive.buffer))
                 theirs = header.get("run")
                 if header.get("failed") and theirs not in self.failed_runs:
-                    self._run_failed(theirs)  # (not counted: this worker runs it still)
+                    self._run_failed(theirs, order)  # (not counted: this worker runs it still)
                     self._failures[theirs] = (
                         f"{self.who(worker)} will not join it: {header['failed']}"
                     )
@@ -1024,7 +1080,7 @@ class World:
         self._read_unread(math.inf)
         self._pending = [p for p in self._pending if not p.future.done()]
         self._read &= {p.mine["order"] for p in self._pending}
-        self._run_failed(run)
+        self._run_failed(run, self.order + 1)  # (the place its failure header takes)
         if self.broken is not None or self._progress.aborted is not None or self.size == 1:
             return
         if self.closed:
@@ -1113,11 +1169,14 @@ class World:
 
     async def broadcast(self, array: np.ndarray, what: str, timeout: float | None) -> np.ndarray:
         """``broadcast_now`` without blocking the loop."""
-        with self.operation(what):
+
+        async def body() -> np.ndarray:
             await self.agree(what, _broadcast_key(array), timeout)
             buffer, start = self._broadcast_call(array)
             await self._data(start, what, timeout)
-        return buffer
+            return buffer
+
+        return await self.operate(what, body)
 
     def _broadcast_call(self, array: np.ndarray) -> tuple[np.ndarray, Callable[[], Any]]:
         """(the buffer that receives worker 0's bytes, ``start``: posts the ``Ibcast``)."""
@@ -1324,26 +1383,27 @@ class _WorkerGroup(RunGroup):
         key = repr((run, number, signature.name, signature.key))
         arrays = [payload[ARRAYS] for payload in payloads]
         if strategy._nccl is not None:  # GPU replicas: one NCCL call over every worker
-            with world.operation(what):
-                out = await self._nccl_across(first, signature.name, arrays, what, key, timeout)
+            out = await world.operate(
+                what, lambda: self._nccl_across(first, signature.name, arrays, what, key, timeout)
+            )
             return self._per_replica(payloads, out)
         ops = strategy.extended._cross_device_ops
         devices, streams = self.devices, self.streams
-        with world.operation(what):
+
+        async def body() -> list:
             if signature.name == "all_reduce":
                 # The packs decide how many MPI calls are made: they must agree too.
                 packs = f"{key} bytes_per_pack={options.bytes_per_pack}"
                 await world.agree(what, packs, timeout)
-                leaves = await _all_reduce_packs(
+                return await _all_reduce_packs(
                     world, ops, first[OP], arrays, devices, options, what
                 )
-            else:
-                local = ops._all_gather_flat(arrays, first[AXIS], devices, options, streams)[0]
-                shapes = [list(leaf.shape) for leaf in local]
-                headers = await world.agree(what, key, timeout, shapes=shapes)
-                leaves = await _gather_leaves(
-                    world, list(local), headers, first[AXIS], what, timeout
-                )
+            local = ops._all_gather_flat(arrays, first[AXIS], devices, options, streams)[0]
+            shapes = [list(leaf.shape) for leaf in local]
+            headers = await world.agree(what, key, timeout, shapes=shapes)
+            return await _gather_leaves(world, list(local), headers, first[AXIS], what, timeout)
+
+        leaves = await world.operate(what, body)
         out = [[cpu_backend.shared_view(leaf) for leaf in leaves] for _ in payloads]
         return self._per_replica(payloads, out)
 
@@ -1630,9 +1690,13 @@ class MultiWorkerMirroredStrategy(Strategy):
             counts.append(count)
         what = f"{method}({op.name}, {', '.join(map(leaf_text, totals))})"
         key = repr((op.name, [(total.dtype.str, total.shape) for total in totals]))
-        with self._world.operation(what):
-            headers = await self._world.agree(what, key, timeout, counts=counts)
-            totals = await _reduce_leaves(self._world, local_op, totals, what, timeout)
+        world = self._world
+
+        async def body() -> tuple:
+            headers = await world.agree(what, key, timeout, counts=counts)
+            return headers, await _reduce_leaves(world, local_op, totals, what, timeout)
+
+        headers, totals = await world.operate(what, body)
         if op is ReduceOp.MEAN:  # by the true element count of every worker's values
             return [
                 mean_of_sum(np, total, sum(h["counts"][i] for h in headers))
@@ -1647,8 +1711,12 @@ class MultiWorkerMirroredStrategy(Strategy):
         what = f"strategy.gather(axis={axis}, {leaf_text(local)})"
         shape = list(local.shape)
         shape[axis] = -1
-        with self._world.operation(what):
-            headers = await self._world.agree(
+        world = self._world
+
+        async def body() -> np.ndarray:
+            headers = await world.agree(
                 what, repr((local.dtype.str, shape)), timeout, shapes=[list(local.shape)]
             )
-            return (await _gather_leaves(self._world, [local], headers, axis, what, timeout))[0]
+            return (await _gather_leaves(world, [local], headers, axis, what, timeout))[0]
+
+        return await world.operate(what, body)

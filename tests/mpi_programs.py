@@ -508,8 +508,9 @@ async def _failures_keep_the_order(strategy: aiodist.Strategy) -> dict:
 
 async def _give_up_mid_operation(strategy: aiodist.Strategy) -> dict:
     """Worker 1 cancels its run while its all_reduce waits for worker 0 (slow to
-    arrive): its order is lost, and worker 0, whose call would wait in the data
-    step for the timeout (30 s), fails at once instead."""
+    arrive): the all_reduce, whose header was sent, finishes in the background, so
+    worker 0 gets its result instead of waiting in the data step for the timeout
+    (30 s), and a strategy.reduce after it pairs on both workers."""
     started = time.monotonic()
 
     async def step():
@@ -523,12 +524,12 @@ async def _give_up_mid_operation(strategy: aiodist.Strategy) -> dict:
         else:
             await strategy.run(step)
     except (aiodist.AiodistError, TimeoutError) as exc:
-        return {
-            "error": type(exc).__name__,
-            "message": str(exc),
-            "after": time.monotonic() - started,
-        }
-    return {"error": None}
+        out = {"error": type(exc).__name__, "message": str(exc)}
+    else:
+        out = {"error": None}
+    out["after"] = time.monotonic() - started
+    out["reduce"] = float(await strategy.reduce("sum", np.float64(1.0), axis=None))
+    return out
 
 
 async def _queued_after_a_timeout(strategy: aiodist.Strategy) -> list:
@@ -656,8 +657,10 @@ async def _after_agreed(strategy: aiodist.Strategy) -> dict:
     """Run 1 fails on worker 1 after its all_reduce's headers agreed, while the data
     step waits for worker 0 (whose loop is blocked 1 s before it issues its own):
     AIODIST_TEST_HOW is "raise" (a replica raises) or "cancel" (the run is
-    cancelled). Then run 2 and a strategy.reduce on every worker."""
+    cancelled); with AIODIST_TEST_NEXT=1 run 1 makes a second all_reduce after
+    the first. Then run 2 and a strategy.reduce on every worker."""
     how = os.environ.get("AIODIST_TEST_HOW", "raise")
+    second = os.environ.get("AIODIST_TEST_NEXT") == "1"
     w = strategy.worker_index
     out = {}
 
@@ -672,7 +675,10 @@ async def _after_agreed(strategy: aiodist.Strategy) -> dict:
             await asyncio.sleep(0.6)  # the headers agreed; the data step waits
             if how == "raise":
                 raise ValueError("bad batch on worker 1")
-        return await pending
+        total = await pending
+        if k == 1 and second:
+            total += await ctx.all_reduce("sum", np.float64(100.0))
+        return total
 
     for k in (1, 2):
         started = time.monotonic()
