@@ -521,7 +521,8 @@ class World:
             f"strategy.close() was called while {len(busy)} cross-worker operation(s) of "
             f"this worker are in flight ({'; '.join(busy)}); the other workers wait for "
             "their next steps. Await them (or cancel them) first, then close the "
-            "strategy on every worker."
+            "strategy on every worker; one a failed or cancelled run left behind "
+            "finishes on its own, within timeout_seconds."
         )
 
     def close(self) -> None:
