@@ -83,6 +83,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "aiodist_replicas" not in metafunc.fixturenames:
+        # The marker on the test itself (not a module's or class's, which may mark
+        # tests of every kind) would otherwise be ignored without a word.
+        if any(m.name == "aiodist_replicas" for m in metafunc.definition.own_markers):
+            raise pytest.UsageError(
+                f"{metafunc.definition.nodeid}: @pytest.mark.aiodist_replicas marks a test "
+                "that uses no aiodist fixture, so it would run once, untouched; take "
+                "aiodist_strategy (or aiodist_replicas) as an argument, or drop the marker."
+            )
         return
     marker = metafunc.definition.get_closest_marker("aiodist_replicas")
     if marker is None:

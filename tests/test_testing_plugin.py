@@ -112,6 +112,27 @@ def test_gpu_fixture_skips_with_cupys_own_reason(pytester):
     result.stdout.no_fnmatch_line("*(install CuPy with*")
 
 
+def test_a_marker_on_a_test_without_the_fixtures_is_a_usage_error(pytester):
+    result = run(
+        pytester,
+        """
+        import pytest
+
+        pytestmark = pytest.mark.aiodist_replicas(1, 2)  # a module's: tests of any kind
+
+        def test_other():
+            pass
+
+        @pytest.mark.aiodist_replicas(1, 4)
+        def test_x():
+            pass
+        """,
+    )
+    assert result.ret != 0
+    result.stdout.fnmatch_lines(["*test_x: @pytest.mark.aiodist_replicas marks a test*"])
+    result.stdout.no_fnmatch_line("*test_other: @pytest.mark*")
+
+
 def test_bad_marker_is_a_usage_error(pytester):
     result = run(
         pytester,
