@@ -410,7 +410,8 @@ class World:
         # told it (its failure header's, a mismatch's). A place is classified from
         # what the places before it told, which every worker knows alike (see _agreed).
         self._failed_at: dict[int, int] = {}
-        self._background: set[asyncio.Task] = set()  # operations finishing for nobody
+        # Operations finishing for nobody, each with what it keeps alive (operate).
+        self._background: dict[asyncio.Task, object] = {}
         # After a run failed, stale headers may follow (see _agreed): until one
         # exchange completes without one (``_probe``, done when it ends), exchanges
         # are posted one at a time, so each one found stale is made again before
@@ -609,7 +610,9 @@ class World:
     def in_flight(self) -> int:
         return len(self._operations)
 
-    async def operate(self, what: str, body: Callable[[], Awaitable[Any]]) -> Any:
+    async def operate(
+        self, what: str, body: Callable[[], Awaitable[Any]], owner: object = None
+    ) -> Any:
         """``await body()``, an asynchronous cross-worker operation (headers, then
         data), in a task of its own. From this call on the operation is in flight,
         so that a synchronous one (or ``close()``) cannot come in the middle of it;
@@ -621,7 +624,9 @@ class World:
         background instead, with this worker's data (its exchange, then every
         data step), its result thrown away; the run's failure header follows it in
         the order, and the order is kept. Cancelled before, nothing of it was sent:
-        it is cancelled."""
+        it is cancelled. ``owner`` (its strategy) is kept alive while it finishes in
+        the background: collected, the strategy would close this world under it,
+        and the others would wait in its data step until their timeout."""
         turn = _Turn()
         self._operations.append(what)
 
@@ -646,12 +651,12 @@ class World:
             if turn.ticket is None:  # (no header posted yet)
                 task.cancel()
             else:
-                self._background.add(task)
+                self._background[task] = owner
                 task.add_done_callback(self._finished_in_background)
             raise
 
     def _finished_in_background(self, task: asyncio.Task) -> None:
-        self._background.discard(task)
+        self._background.pop(task, None)
         if not task.cancelled():
             task.exception()  # (nobody awaits it: its error is not this worker's to raise)
 
@@ -941,12 +946,13 @@ class World:
     def _given_up(self, posted: _Posted, what: str) -> None:
         """``posted``'s wait was cancelled (``operate`` never cancels an operation
         that posted its header, so: its own task was, at the loop's shutdown). If
-        its run already failed on every worker, each of them takes this place as
-        stale (``_agreed``): the exchange is left to complete on the thread, and the
-        order is kept. Otherwise the others may have matched it and wait for its
-        data step: the order is lost."""
-        run = posted.mine["run"]
-        if run is not None and run in self.failed_runs:
+        its run had failed on every worker before this place, each of them takes
+        this place as stale (``_agreed``): the exchange is left to complete on the
+        thread, and the order is kept. Otherwise (its run failed later, or not at
+        all: a collective finishing in the background for a run that failed after
+        it was posted) the others may have matched it and wait for its data step:
+        the order is lost, and they are told at once."""
+        if self._failed_before(posted.mine["run"], posted.mine["order"]):
             self._pending.append(posted)
         else:
             self._lost(what, "was cancelled while waiting for the other workers")
@@ -1168,7 +1174,9 @@ class World:
         self._data_now(start, what, timeout)
         return buffer
 
-    async def broadcast(self, array: np.ndarray, what: str, timeout: float | None) -> np.ndarray:
+    async def broadcast(
+        self, array: np.ndarray, what: str, timeout: float | None, owner: object = None
+    ) -> np.ndarray:
         """``broadcast_now`` without blocking the loop."""
 
         async def body() -> np.ndarray:
@@ -1177,7 +1185,7 @@ class World:
             await self._data(start, what, timeout)
             return buffer
 
-        return await self.operate(what, body)
+        return await self.operate(what, body, owner)
 
     def _broadcast_call(self, array: np.ndarray) -> tuple[np.ndarray, Callable[[], Any]]:
         """(the buffer that receives worker 0's bytes, ``start``: posts the ``Ibcast``)."""
@@ -1385,7 +1393,9 @@ class _WorkerGroup(RunGroup):
         arrays = [payload[ARRAYS] for payload in payloads]
         if strategy._nccl is not None:  # GPU replicas: one NCCL call over every worker
             out = await world.operate(
-                what, lambda: self._nccl_across(first, signature.name, arrays, what, key, timeout)
+                what,
+                lambda: self._nccl_across(first, signature.name, arrays, what, key, timeout),
+                strategy,
             )
             return self._per_replica(payloads, out)
         ops = strategy.extended._cross_device_ops
@@ -1404,7 +1414,7 @@ class _WorkerGroup(RunGroup):
             headers = await world.agree(what, key, timeout, shapes=shapes)
             return await _gather_leaves(world, list(local), headers, first[AXIS], what, timeout)
 
-        leaves = await world.operate(what, body)
+        leaves = await world.operate(what, body, strategy)
         out = [[cpu_backend.shared_view(leaf) for leaf in leaves] for _ in payloads]
         return self._per_replica(payloads, out)
 
@@ -1697,7 +1707,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             headers = await world.agree(what, key, timeout, counts=counts)
             return headers, await _reduce_leaves(world, local_op, totals, what, timeout)
 
-        headers, totals = await world.operate(what, body)
+        headers, totals = await world.operate(what, body, self)
         if op is ReduceOp.MEAN:  # by the true element count of every worker's values
             return [
                 mean_of_sum(np, total, sum(h["counts"][i] for h in headers))
@@ -1720,4 +1730,4 @@ class MultiWorkerMirroredStrategy(Strategy):
             )
             return (await _gather_leaves(world, [local], headers, axis, what, timeout))[0]
 
-        return await world.operate(what, body)
+        return await world.operate(what, body, self)

@@ -550,7 +550,7 @@ class MirroredVariable(Variable):
             # Global replica 0 is worker 0's first: its value, sent to every worker.
             timeout = strategy._communication_options.timeout_seconds
             what = f"{self._name}: the first replica's value (ONLY_FIRST_REPLICA)"
-            return await strategy._world.broadcast(parts[0], what, timeout)
+            return await strategy._world.broadcast(parts[0], what, timeout, strategy)
         op = ReduceOp.SUM if self._aggregation is VariableAggregation.SUM else ReduceOp.MEAN
         (total,) = await strategy._reduce_across(op, [PerReplica(parts)], None, None)
         return self._rounded(total, parts)

@@ -9,12 +9,16 @@ replicas, to compare.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import json
 import os
 import signal
 import sys
 import tempfile
 import time
+import types
+import weakref
 
 import numpy as np
 
@@ -532,6 +536,76 @@ async def _give_up_mid_operation(strategy: aiodist.Strategy) -> dict:
     return out
 
 
+def _loop_ends_while_finishing(strategy: aiodist.Strategy) -> dict:
+    """Worker 1's run raises while its all_reduce's header exchange waits for worker
+    0 (1 s late), and worker 1's event loop then ends: the loop's shutdown cancels
+    the all_reduce finishing in the background. Worker 0 has matched its header and
+    would wait in the data step for the timeout (30 s): it must fail at once. Then,
+    on a second loop, worker 1 makes a strategy.reduce, and waits for worker 0's
+    report (the MPI_Abort at its exit would end the job before it)."""
+    started = time.monotonic()
+    w = strategy.worker_index
+
+    async def step():
+        pending = aiodist.get_replica_context().all_reduce("sum", 1.0)
+        if w == 1:
+            await asyncio.sleep(0.3)
+            raise ValueError("bad batch on worker 1")
+        return await pending
+
+    async def first():
+        if w == 0:
+            await asyncio.sleep(1.0)
+        try:
+            await strategy.run(step)
+        except Exception as exc:
+            return {"error": type(exc).__name__, "message": str(exc)}
+        return {"error": None}
+
+    out = _run(first())  # (worker 1: its loop ends with the all_reduce in flight)
+    out["after"] = time.monotonic() - started
+
+    async def second():
+        try:
+            return float(await strategy.reduce("sum", np.float64(1.0), axis=None))
+        except Exception as exc:
+            return [type(exc).__name__, str(exc)]
+
+    if w == 1:
+        out["reduce"] = _run(second())
+        theirs = os.path.join(os.environ["AIODIST_TEST_RESULTS"], "result-0.json")
+        while not os.path.exists(theirs) and time.monotonic() - started < 40:
+            time.sleep(0.05)
+    return out
+
+
+async def _reduce_then_drop(held: list) -> dict:
+    """Worker 1 cancels its strategy.reduce (worker 0 arrives 1 s late), then drops
+    the strategy (``held``'s only item: garbage collected at once): the reduce, whose
+    header was sent, finishes in the background, so worker 0 gets its result, not
+    a timeout (30 s)."""
+    started = time.monotonic()
+    strategy = held.pop()
+    w = strategy.worker_index
+    if w == 1:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(strategy.reduce("sum", np.float64(2.0), axis=None), 0.3)
+        dropped = weakref.ref(strategy)
+        del strategy
+        gc.collect()
+        if dropped() is not None:  # (kept alive: the reduce still finishes)
+            await asyncio.sleep(2.0)
+            gc.collect()
+        return {"after": time.monotonic() - started, "collected": dropped() is None}
+    await asyncio.sleep(1.0)
+    try:
+        out = {"reduce": float(await strategy.reduce("sum", np.float64(1.0), axis=None))}
+    except Exception as exc:
+        out = {"reduce": [type(exc).__name__, str(exc)]}
+    out["after"] = time.monotonic() - started
+    return out
+
+
 async def _queued_after_a_timeout(strategy: aiodist.Strategy) -> list:
     """Four overlapped strategy.reduce; worker 1 sends its headers, then its loop is
     blocked (6 s) before any data step. Worker 0's first data step times out (1.5 s)
@@ -744,6 +818,15 @@ def main() -> None:
     if mode in ("mismatch", "stop", "kill"):
         strategy = _strategy(counts, timeout=1.5)
         _run(_failing(mode, strategy))
+        return
+    if mode == "loop_ends_while_finishing":
+        strategy = _strategy(counts, timeout=30.0)
+        _report(strategy, _loop_ends_while_finishing(strategy))
+        return
+    if mode == "reduce_then_drop":  # (the program drops the strategy)
+        held = [_strategy(counts, timeout=30.0)]
+        rank = types.SimpleNamespace(worker_index=held[0].worker_index)
+        _report(rank, _run(_reduce_then_drop(held)))
         return
     if mode == "stall":
         options = aiodist.CommunicationOptions(timeout_seconds=30, stall_warning_seconds=0.5)

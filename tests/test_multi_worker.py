@@ -258,6 +258,36 @@ def test_a_worker_that_gives_up_mid_operation_keeps_the_order(loop):
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_loop_ending_while_a_collective_finishes_tells_the_others_at_once(loop):
+    """Worker 1's run raises while its all_reduce's header exchange waits for worker
+    0, and worker 1's loop then ends, cancelling the all_reduce that was finishing
+    in the background. Worker 0 matched its header: it must fail at once (the order
+    is lost), not wait in the data step for the 30 s timeout (before the fix: the
+    cancelled exchange was taken as stale, since its run had failed since)."""
+    rc, results, output, _ = _program(2, "loop_ends_while_finishing", [1, 1], loop=loop)
+    assert sorted(results) == [0, 1], output[-3000:]
+    assert results[1]["error"] == "ValueError", results[1]
+    assert results[0]["error"] == "RendezvousError", results[0]
+    assert "worker 1 lost the workers' order of operations" in results[0]["message"]
+    assert "was cancelled while waiting for the other workers" in results[0]["message"]
+    assert results[0]["after"] < 10, results[0]
+    assert results[1]["reduce"][0] == "RendezvousError", results[1]
+    assert rc != 0  # the order is lost: the job ends with MPI_Abort
+
+
+def test_a_dropped_strategy_still_finishes_its_cancelled_reduce():
+    """Worker 1 cancels its strategy.reduce, whose header was sent, and drops the
+    strategy: the reduce finishes in the background (the strategy is kept alive
+    until then), so worker 0 gets its result at once, not a 30 s timeout (before
+    the fix: the collected strategy closed its world under the reduce)."""
+    rc, results, output, _ = _launch(2, str(PROGRAM), "reduce_then_drop", "1,1")
+    assert sorted(results) == [0, 1], output[-3000:]
+    assert results[0]["reduce"] == 3.0 and results[0]["after"] < 10, results[0]
+    assert results[1]["collected"], results[1]  # (once the reduce finished)
+    assert rc == 0, output[-3000:]
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 @pytest.mark.parametrize(
     ("how", "second"),
     [("raise", False), ("cancel", False), ("raise", True), ("cancel", True)],
