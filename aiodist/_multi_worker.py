@@ -652,13 +652,26 @@ class World:
                 task.cancel()
             else:
                 self._background[task] = owner
-                task.add_done_callback(self._finished_in_background)
+                task.add_done_callback(functools.partial(self._finished_in_background, what))
             raise
 
-    def _finished_in_background(self, task: asyncio.Task) -> None:
+    def _finished_in_background(self, what: str, task: asyncio.Task) -> None:
         self._background.pop(task, None)
-        if not task.cancelled():
-            task.exception()  # (nobody awaits it: its error is not this worker's to raise)
+        if task.cancelled():
+            return
+        # Nobody awaits it, so its error is nobody's to raise; said once on the
+        # logger instead (a timeout or a lost peer there also lost the order, which
+        # the next cross-worker call raises, if any: the program may end first).
+        exc = task.exception()
+        if exc is not None:
+            _stall.logger.warning(
+                "%s, left to finish in the background after its run failed, failed "
+                "on worker %d: %s: %s",
+                what,
+                self.rank,
+                type(exc).__name__,
+                exc,
+            )
 
     async def take_turn(self, what: str) -> None:
         """Wait until every operation before this one in the order (its header's

@@ -789,6 +789,29 @@ async def _exit_in_replica(strategy: aiodist.Strategy) -> dict:
     return {"error": None}
 
 
+async def _background_fails(strategy: aiodist.Strategy) -> dict:
+    """Worker 1's run raises after its all_reduce posted its header; worker 0 never
+    joins (it only waits), so that all_reduce, finishing in the background, times
+    out (1.5 s) on worker 1: its failure must be logged there, not dropped."""
+    w = strategy.worker_index
+    if w == 0:
+        await asyncio.sleep(4.0)
+        return {"error": None}
+
+    async def step():
+        pending = aiodist.get_replica_context().all_reduce("sum", 1.0)
+        await asyncio.sleep(0.3)  # its header posted
+        raise ValueError("bad batch on worker 1")
+        await pending  # (never reached)
+
+    try:
+        await strategy.run(step)
+    except ValueError as exc:
+        error = type(exc).__name__
+    await asyncio.sleep(3.0)  # the background all_reduce times out meanwhile
+    return {"error": error}
+
+
 def _run(coro):
     """On the loop named by AIODIST_TEST_LOOP: uvloop (aiodist.run's) or asyncio."""
     if os.environ.get("AIODIST_TEST_LOOP") == "asyncio":
@@ -814,6 +837,10 @@ def main() -> None:
     if mode == "queued_after_a_timeout":
         strategy = _strategy(counts, timeout=1.5)
         _report(strategy, _run(_queued_after_a_timeout(strategy)))
+        return
+    if mode == "background_fails":
+        strategy = _strategy(counts, timeout=1.5)
+        _report(strategy, _run(_background_fails(strategy)))
         return
     if mode in ("mismatch", "stop", "kill"):
         strategy = _strategy(counts, timeout=1.5)

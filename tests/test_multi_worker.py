@@ -275,6 +275,19 @@ def test_a_loop_ending_while_a_collective_finishes_tells_the_others_at_once(loop
     assert rc != 0  # the order is lost: the job ends with MPI_Abort
 
 
+def test_a_background_collective_that_fails_is_logged_on_its_worker():
+    """Worker 1's run raised after its all_reduce posted its header; the all_reduce,
+    left to finish in the background, times out (worker 0 never joins): worker 1
+    says so on the aiodist logger (its error was dropped before)."""
+    _rc, results, output, _ = _launch(2, str(PROGRAM), "background_fails", "1,1", timeout=40)
+    assert sorted(results) == [0, 1], output[-3000:]
+    assert results[1]["error"] == "ValueError", results[1]
+    assert (
+        "left to finish in the background after its run failed, failed on worker 1: "
+        "RendezvousTimeoutError"
+    ) in output, output[-3000:]
+
+
 def test_a_dropped_strategy_still_finishes_its_cancelled_reduce():
     """Worker 1 cancels its strategy.reduce, whose header was sent, and drops the
     strategy: the reduce finishes in the background (the strategy is kept alive
