@@ -34,7 +34,6 @@ never half-way (concurrent runs do not lose updates).
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import operator
 from collections.abc import Callable, Sequence
@@ -464,7 +463,10 @@ class Variable:
             # made per write (about 1 us, on every aggregated update).
             self._replace_copies(kind, parts)
             return
-        with self._ordered():
+        # GPUs: the current streams first wait for the replicas' queued work (which may
+        # still read the old copies, whose memory is freed here), and the replicas'
+        # later work waits for the write.
+        with self._strategy._cross_replica_order():
             self._replace_copies(kind, parts)
 
     def _replace_copies(self, kind: str, parts: list) -> None:
@@ -473,16 +475,6 @@ class Variable:
             placed = backend_for(device).asarray(part, device)
             new.append(_update_value(kind, old, placed, f"{self._name}.{kind}"))
         self._values[:] = new  # all copies change together, or none does
-
-    def _ordered(self) -> Any:
-        """A context manager around a cross-replica write of the copies: on GPUs the
-        current streams first wait for the replicas' queued work (which may still read
-        the old copies, whose memory is freed here), and the replicas' later work waits
-        for the write (see Strategy._cross_replica_order). Nothing to order for a
-        plain variable."""
-        if self._strategy is None:
-            return contextlib.nullcontext()
-        return self._strategy._cross_replica_order()
 
     def _per_copy(self, kind: str, value: Any) -> list:
         """What a cross-replica write gives each copy: a ``Mirrored`` value's own
@@ -680,7 +672,7 @@ class SyncOnReadVariable(Variable):
         world = self._strategy._world
         first = 0 if world is None or world.rank == 0 else None  # this worker's index of it
         new = []
-        with self._ordered():
+        with self._strategy._cross_replica_order():  # (see _write_copies)
             for i, (device, old) in enumerate(zip(self._devices, self._values, strict=True)):
                 part = value if i == first else np.zeros_like(value)
                 placed = backend_for(device).asarray(part, device)
@@ -750,8 +742,11 @@ async def update(
     finally:
         if ordered:
             # The current streams' later work (which may reuse the arguments' memory,
-            # or read the copies) waits for what fn issued.
+            # or read the copies) waits for what fn issued, and through them every
+            # replica's later work does too: those sharing a copy (on one GPU) read
+            # it on streams of their own, not the one fn wrote it on.
             backend.order_after_replicas(slots)
+            backend.order_replicas_after(slots)
     # Per replica, as every distributed value and as TF's group=False ("an element per
     # replica"): replicas sharing a copy share its result.
     per_replica = [results[c] for c in variable._copy_of]
@@ -778,14 +773,6 @@ def _update_copies(
         finally:
             if slot:
                 slot.backend.deactivate(token)
-        if slot and slot.backend.needs_activation:
-            # The other replicas sharing this copy (on the same GPU) read it on streams
-            # of their own: their later work waits for what fn issued on this one.
-            sharing = [
-                slots[r] for r, c in enumerate(variable._copy_of) if c == copy._index and r != rid
-            ]
-            if sharing:
-                slot.backend.end_cross_replica(((slot.device.index, slot.stream),), sharing)
         refuse_awaitables(
             (result,),
             lambda: (
