@@ -429,11 +429,8 @@ class Strategy:
                 ),
             )
             values.append(value)
-        if len(values) == 1:
-            return values[0]
-        if any(map(_nest.is_nested, values)):
-            return regroup_wrapping_every_leaf(values, self._devices, what="received from value_fn")
-        return PerReplica(values, self._devices)
+        # (One replica: its value as it is.)
+        return regroup_wrapping_every_leaf(values, self._devices, what="received from value_fn")
 
     def experimental_distribute_dataset(
         self, dataset: Any, options: InputOptions | None = None
@@ -652,9 +649,9 @@ class Strategy:
 
 def _local_component(replica_id: int, num_replicas: int, leaf: Any) -> Any:
     """``experimental_local_results``' pick from one leaf of a structure: replica
-    ``replica_id``'s component of a distributed value, its copy of a variable with
-    one copy per replica (as TF, whose variables are distributed values), else the
-    leaf itself."""
+    ``replica_id``'s component of a distributed value, its copy of a distributed
+    variable (one entry per replica: TF's variables are distributed values), else
+    the leaf itself (a plain variable too, where several replicas run)."""
     if hasattr(leaf, "_aiodist_local_results"):
         copies = leaf._aiodist_local_results()
         return copies[replica_id] if len(copies) == num_replicas else leaf

@@ -388,13 +388,10 @@ def regroup_wrapping_every_leaf(
     merged = regroup(values, devices, what=what)
     if len(values) == 1 or type(merged) is PerReplica:
         return merged
-    devices = tuple(devices)
-    shared = (len(values), devices)
+    n, devices = len(values), tuple(devices)
 
     def wrap(leaf: object) -> object:
-        if isinstance(leaf, PerReplica):
-            return leaf
-        return PerReplica._make((leaf,) * shared[0], shared[1])
+        return leaf if isinstance(leaf, PerReplica) else PerReplica._make((leaf,) * n, devices)
 
     return _nest.map_structure(wrap, merged)
 
