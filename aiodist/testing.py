@@ -96,9 +96,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if marker is None:
         return
     counts = marker.args
-    if not counts or not all(
-        isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in counts
-    ):
+    if not _replica_counts(counts):
         raise pytest.UsageError(
             f"{metafunc.definition.nodeid}: @pytest.mark.aiodist_replicas{counts!r}; expected "
             "one or more replica counts >= 1, e.g. @pytest.mark.aiodist_replicas(1, 2, 4)."
@@ -176,8 +174,7 @@ async def assert_same_on_replicas(
     if (
         isinstance(replicas, str | bytes)
         or not isinstance(replicas, Sequence)
-        or not replicas
-        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in replicas)
+        or not _replica_counts(replicas)
     ):
         raise InvalidArgumentError(
             f"assert_same_on_replicas: replicas={replicas!r}; expected a sequence of one or "
@@ -224,6 +221,14 @@ async def assert_same_on_replicas(
                 ),
             )
     return reference
+
+
+def _replica_counts(counts: Sequence) -> bool:
+    """Whether ``counts`` (the marker's, or assert_same_on_replicas' replicas) is one or
+    more ints (not bools) of at least 1."""
+    return bool(counts) and all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in counts
+    )
 
 
 def _is_reduce_op(combine: Any) -> bool:
