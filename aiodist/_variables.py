@@ -111,6 +111,36 @@ def _update_value(kind: str, old: Any, value: Any, where: str) -> Any:
     return _frozen(value.astype(old.dtype, copy=True))
 
 
+def _integer_sums(arrays: Sequence[Any], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Integer ``arrays`` summed for an exact MEAN over ``n`` values, in 64 bits that
+    cannot overflow: ``(q, r)`` with ``sum(arrays) == q * n + r`` and ``|r| < n * n``
+    (each array divided by ``n`` toward zero first, so ``|q|`` stays within the
+    largest ``|array|``). Signed 64 bits, or unsigned where every array is unsigned.
+    Across workers, ``q`` and ``r`` are summed over every worker's arrays too."""
+    unsigned = all(np.dtype(a.dtype).kind == "u" for a in arrays)
+    wide = np.dtype(np.uint64 if unsigned else np.int64)
+    count = wide.type(n)
+    q_total = r_total = wide.type(0)
+    for array in arrays:
+        a = np.asarray(host_array(array)).astype(wide)
+        q = a // count  # floor; toward zero for the negative ones just below
+        if not unsigned:
+            q = q + ((a < 0) & (a % count != 0))
+        q_total = q_total + q
+        r_total = r_total + (a - q * count)  # each in (-n, n); |q * n| <= |a|
+    return np.asarray(q_total), np.asarray(r_total)
+
+
+def _mean_of_sums(q: np.ndarray, r: np.ndarray, n: int, dtype: np.dtype) -> np.ndarray:
+    """The MEAN ``(q * n + r) / n`` (see ``_integer_sums``) in ``dtype``, rounded half
+    to even, computed without ever forming the sum (which may not fit in 64 bits)."""
+    count = q.dtype.type(n)
+    carry, remainder = np.divmod(r, count)  # floor: remainder in [0, n)
+    low = q + carry  # the floor of the mean: between the values, so it fits
+    up = (2 * remainder > count) | ((2 * remainder == count) & (low % 2 == 1))
+    return np.asarray(low + up).astype(dtype)
+
+
 def _unary(op: Callable[[Any], Any]) -> Callable[[Variable], Any]:
     def method(self: Variable) -> Any:
         return op(self.read_value())
@@ -543,26 +573,41 @@ class MirroredVariable(Variable):
             timeout = strategy._communication_options.timeout_seconds
             what = f"{self._name}: the first replica's value (ONLY_FIRST_REPLICA)"
             return await strategy._world.broadcast(parts[0], what, timeout, strategy)
+        if self._exact_mean_of(parts):
+            n = strategy.num_replicas_in_sync  # every worker's replicas
+            sums = [_integer_sums([part], n) for part in parts]  # one (q, r) per replica
+            q, r = await strategy._reduce_across(
+                ReduceOp.SUM,
+                [PerReplica([s[0] for s in sums]), PerReplica([s[1] for s in sums])],
+                None,
+                None,
+            )
+            return _mean_of_sums(q, r, n, self.dtype)
         op = ReduceOp.SUM if self._aggregation is VariableAggregation.SUM else ReduceOp.MEAN
         (total,) = await strategy._reduce_across(op, [PerReplica(parts)], None, None)
-        return self._rounded(total, parts)
+        return total
 
-    def _rounded(self, aggregate: Any, parts: Sequence[Any]) -> Any:
-        """The MEAN of integer values (a float) rounded half to even, to be written to
-        an integer variable; any other aggregate as it is (floats written to an
-        integer variable are refused, as everywhere)."""
-        integers = self.dtype.kind in "iu" and all(p.dtype.kind in "iu" for p in parts)
-        if integers and aggregate.dtype.kind == "f":
-            return np.rint(aggregate).astype(self.dtype)
-        return aggregate
+    def _exact_mean_of(self, parts: Sequence[Any]) -> bool:
+        """Whether the aggregate is a MEAN of integers written to an integer variable:
+        computed exactly and rounded half to even (a float64 mean loses integers above
+        2**53). Anything else is aggregated as it is (floats written to an integer
+        variable are refused, as everywhere)."""
+        return (
+            self._aggregation is VariableAggregation.MEAN
+            and self.dtype.kind in "iu"
+            and all(p.dtype.kind in "iu" for p in parts)
+        )
 
     def _aggregate(self, parts: Sequence[Any]) -> Any:
         if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             return host_array(parts[0])
+        arrays = [np.asarray(host_array(p)) for p in parts]
+        if self._exact_mean_of(arrays):
+            n = len(arrays)
+            return _mean_of_sums(*_integer_sums(arrays, n), n, self.dtype)
         op = ReduceOp.SUM if self._aggregation is VariableAggregation.SUM else ReduceOp.MEAN
         ops = self._strategy.extended._cross_device_ops
-        arrays = [np.asarray(host_array(p)) for p in parts]
-        return self._rounded(host_array(ops._reduce_arrays(op, arrays, _HOST)), arrays)
+        return host_array(ops._reduce_arrays(op, arrays, _HOST))
 
 
 def _replica_values(strategy: Any, per_replica: Any) -> list:
@@ -642,22 +687,18 @@ class SyncOnReadVariable(Variable):
         return np.asarray(host_array(self._aggregate_copies()))
 
     def _integer_mean(self) -> np.ndarray:
-        """The MEAN of integer copies as a checkpoint stores it, in their dtype: summed
-        exactly in 64 bits and rounded half to even (the float64 mean that a read
-        gives loses integers above 2**53)."""
-        wide = np.dtype(np.int64 if self.dtype.kind == "i" else np.uint64)
-        total = np.zeros(self.shape, wide)
-        for copy in self._values:
-            total += np.asarray(host_array(copy)).astype(wide)
+        """The MEAN of integer copies as a checkpoint stores it, in their dtype: exact
+        (neither wrapping in 64 bits nor rounded off as the float64 mean that a read
+        gives is above 2**53), rounded half to even."""
         strategy = self._strategy
+        n = strategy.num_replicas_in_sync  # every worker's copies
+        q, r = _integer_sums(self._values, n)
         if strategy._world is not None:
             what = f"saving sync-on-read variable {self._name!r} (MEAN)"
             timeout = strategy._communication_options.timeout_seconds
-            total = strategy._world.all_reduce_now(ReduceOp.SUM, total, what, timeout)
-        n = strategy.num_replicas_in_sync
-        quotient, remainder = np.divmod(total, wide.type(n))  # remainder in [0, n)
-        up = (2 * remainder > n) | ((2 * remainder == n) & (quotient % 2 == 1))
-        return np.asarray(quotient + up).astype(self.dtype)
+            both = np.stack([q, r])  # one exchange for both
+            q, r = strategy._world.all_reduce_now(ReduceOp.SUM, both, what, timeout)
+        return _mean_of_sums(q, r, n, self.dtype)
 
     def _restore(self, value: np.ndarray) -> None:
         if self._aggregation is not VariableAggregation.SUM:

@@ -140,6 +140,7 @@ async def compute(strategy: aiodist.Strategy) -> dict:
     cross["flag"] = flag.numpy()
     cross["listed"] = listed.numpy()
     cross["on_read"] = await _on_read(strategy)
+    cross["int_means"] = await _int_means(strategy)
 
     # Global batches of 7 rows (uneven over the replicas): each replica's rows,
     # gathered back, give every batch whole and in order.
@@ -154,6 +155,33 @@ async def compute(strategy: aiodist.Strategy) -> dict:
     cross["batches"] = seen
     loop = type(asyncio.get_running_loop()).__module__  # "asyncio..." or "uvloop"
     return {"per_replica": per_replica, "cross": _plain(cross), "loop": loop}
+
+
+def int_mean_value(replica_id: int) -> np.ndarray:
+    """What replica ``replica_id`` writes in ``_int_means``: 2**53 + 1 is not a
+    float64, and a 64-bit sum of values near 2**62 wraps."""
+    return np.array([2**53 + 1 + 2 * replica_id, 2**62 + replica_id], np.int64)
+
+
+async def _int_means(strategy: aiodist.Strategy) -> dict:
+    """MEANs of int64 values (a mirrored update, a sync-on-read checkpoint): exact,
+    rounded half to even, however the replicas are spread over workers."""
+    with strategy.scope():
+        mirrored = aiodist.Variable(np.zeros(2, np.int64), aggregation="mean", name="mirrored")
+        on_read = aiodist.Variable(
+            np.zeros(2, np.int64), synchronization="on_read", aggregation="mean", name="on_read"
+        )
+
+    async def step():
+        value = int_mean_value(aiodist.get_replica_context().replica_id_in_sync_group)
+        await mirrored.assign(value)
+        await on_read.assign(value)
+
+    await strategy.run(step)
+    with tempfile.TemporaryDirectory() as folder:  # each worker saves (a collective)
+        path = await aiodist.save_variables(os.path.join(folder, "i.npz"), [on_read])
+        with np.load(path) as saved:
+            return {"mirrored": mirrored.numpy(), "saved": saved["on_read"]}
 
 
 async def _on_read(strategy: aiodist.Strategy) -> dict:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ import pytest
 import aiodist
 from aiodist._backends import visible_gpu_count
 from tests.conftest import run_demo
+from tests.mpi_programs import int_mean_value
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAM = ROOT / "tests" / "mpi_programs.py"
@@ -96,6 +98,12 @@ def test_results_equal_one_process_with_as_many_replicas(counts, loop):
     # Global replica ids: each worker holds its own, together all of them.
     assert sorted(per_replica, key=int) == [str(i) for i in range(sum(counts))]
     assert _close(per_replica, expected["per_replica"])
+    # Integer MEANs exactly (_close allows for summation order), on every worker.
+    n = sum(counts)
+    values = [int_mean_value(r).tolist() for r in range(n)]
+    exact = [round(Fraction(sum(v[i] for v in values), n)) for i in range(2)]
+    for result in results.values():
+        assert result["cross"]["int_means"] == {"mirrored": exact, "saved": exact}
 
 
 def _close(got, want) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -598,6 +599,39 @@ async def test_integer_mean_variables_neither_wrap_nor_round_off(strategy, num_r
     with np.load(path) as saved:
         assert saved["small"] == 100 and saved["small"].dtype == np.int8
         assert int(saved["large"]) == big and saved["large"].dtype == np.int64
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.uint64])
+async def test_integer_means_of_64_bit_values_are_exact(strategy, num_replicas, dtype, tmp_path):
+    # 2**53 + 1 is not a float64 (a float mean rounds it off), and a 64-bit sum of
+    # values near 2**62 (2**63 unsigned) wraps: the MEAN is neither.
+    top = 2**62 if dtype is np.int64 else 2**63
+
+    def value(r: int) -> np.ndarray:
+        return np.array([2**53 + 1 + 2 * r, top + r, top + 2 * r + 1], dtype)
+
+    # The exact means of value(0) .. value(n - 1), rounded half to even (Python's
+    # round of a Fraction): top + (n - 1) / 2 is a half for an even n.
+    n = num_replicas
+    exact = [round(Fraction(sum(int(value(r)[i]) for r in range(n)), n)) for i in range(3)]
+    assert exact[0] == 2**53 + n and exact[2] == top + n
+    with strategy.scope():
+        mirrored = aiodist.Variable(np.zeros(3, dtype), aggregation="mean", name="mirrored")
+        on_read = aiodist.Variable(
+            np.zeros(3, dtype), synchronization="ON_READ", aggregation="mean", name="on_read"
+        )
+
+    async def fn():
+        await mirrored.assign(value(rid()))  # aggregated: the MEAN
+        await on_read.assign(value(rid()))  # this replica's copy
+
+    await strategy.run(fn)
+    assert [int(x) for x in mirrored.numpy()] == exact
+    assert all(c.dtype == dtype for c in copies(strategy, mirrored))
+    path = await aiodist.save_variables(tmp_path / "m.npz", [on_read])
+    with np.load(path) as saved:
+        assert saved["on_read"].dtype == dtype
+        assert [int(x) for x in saved["on_read"]] == exact
 
 
 @pytest.mark.parametrize("aggregation", ["sum", "mean"])
