@@ -552,19 +552,20 @@ class MirroredVariable(Variable):
             )
 
         def merge_fn(strategy: Any, per_replica: Any) -> None:
-            self._write_every_copy(kind, self._aggregate(_replica_values(strategy, per_replica)))
+            parts = _replica_values(strategy, per_replica)
+            self._write_every_copy(kind, self._aggregate(kind, parts))
 
         if self._strategy._world is not None:  # across workers: aggregate globally
 
             async def merge_fn(strategy: Any, per_replica: Any) -> None:
-                self._write_every_copy(kind, await self._aggregate_across(per_replica))
+                self._write_every_copy(kind, await self._aggregate_across(kind, per_replica))
 
         merge_fn.__qualname__ = f"{self._name}.{kind}"
         merge_fn._aiodist_key = (id(self), kind)  # type: ignore[attr-defined]
         await _context.get_replica_context().merge_call(merge_fn, args=(value,))
         return self
 
-    async def _aggregate_across(self, per_replica: Any) -> Any:
+    async def _aggregate_across(self, kind: str, per_replica: Any) -> Any:
         """The aggregate of every worker's replicas' values (multi-worker strategies)."""
         strategy = self._strategy
         parts = [np.asarray(host_array(p)) for p in _replica_values(strategy, per_replica)]
@@ -573,6 +574,7 @@ class MirroredVariable(Variable):
             timeout = strategy._communication_options.timeout_seconds
             what = f"{self._name}: the first replica's value (ONLY_FIRST_REPLICA)"
             return await strategy._world.broadcast(parts[0], what, timeout, strategy)
+        parts = self._shaped(kind, parts, strategy._replica_offset)
         if self._exact_mean_of(parts):
             n = strategy.num_replicas_in_sync  # every worker's replicas
             sums = [_integer_sums([part], n) for part in parts]  # one (q, r) per replica
@@ -587,6 +589,29 @@ class MirroredVariable(Variable):
         (total,) = await strategy._reduce_across(op, [PerReplica(parts)], None, None)
         return total
 
+    def _shaped(self, kind: str, parts: list, first_id: int = 0) -> list:
+        """The replicas' values (host arrays; the first is replica ``first_id``'s) each
+        with the variable's shape, broadcast as a write would (a scalar is added to
+        every element), so that a replica's value of another shape is named here
+        rather than failing inside the reduction with NumPy's words only."""
+        shape = self.shape
+        if all(part.shape == shape for part in parts):  # the usual case: no copy
+            return parts
+        shaped = []
+        for part in parts:
+            try:
+                shaped.append(np.broadcast_to(part, shape))
+            except ValueError:
+                seen = ", ".join(
+                    f"replica {first_id + i}: {tuple(p.shape)}" for i, p in enumerate(parts)
+                )
+                raise InvalidArgumentError(
+                    f"{self._name}.{kind}() in replica context: the replicas' values ({seen}) "
+                    f"cannot all be written to a variable of shape {shape}; every replica "
+                    "must give a value of that shape or one that broadcasts to it."
+                ) from None
+        return shaped
+
     def _exact_mean_of(self, parts: Sequence[Any]) -> bool:
         """Whether the aggregate is a MEAN of integers written to an integer variable:
         computed exactly and rounded half to even (a float64 mean loses integers above
@@ -598,10 +623,10 @@ class MirroredVariable(Variable):
             and all(p.dtype.kind in "iu" for p in parts)
         )
 
-    def _aggregate(self, parts: Sequence[Any]) -> Any:
+    def _aggregate(self, kind: str, parts: Sequence[Any]) -> Any:
         if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             return host_array(parts[0])
-        arrays = [np.asarray(host_array(p)) for p in parts]
+        arrays = self._shaped(kind, [np.asarray(host_array(p)) for p in parts])
         if self._exact_mean_of(arrays):
             n = len(arrays)
             return _mean_of_sums(*_integer_sums(arrays, n), n, self.dtype)

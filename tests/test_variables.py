@@ -277,6 +277,30 @@ async def test_mismatch_names_the_variable_update(two):
         await two.run(step, args=(v,))
 
 
+@pytest.mark.parametrize("aggregation", ["sum", "mean"])
+async def test_replica_values_of_other_shapes_are_named(three, aggregation):
+    with three.scope():
+        v = aiodist.Variable(np.zeros(2), aggregation=aggregation, name="bias")
+
+    async def step(value):
+        await v.assign_add(value)
+
+    # A replica's value that does not fit the variable: named, with every replica's.
+    uneven = aiodist.PerReplica([np.ones(2), np.ones(3), np.ones(2)])
+    with pytest.raises(
+        aiodist.InvalidArgumentError,
+        match=r"bias.assign_add\(\) in replica context: the replicas' values \(replica 0: "
+        r"\(2,\), replica 1: \(3,\), replica 2: \(2,\)\) cannot all be written to a "
+        r"variable of shape \(2,\)",
+    ):
+        await three.run(step, args=(uneven,))
+    np.testing.assert_array_equal(copies(three, v), np.zeros((3, 2)))
+    # Values that broadcast to its shape (a scalar: every element) still combine.
+    await three.run(step, args=(aiodist.PerReplica([np.float64(3.0), np.ones(2), np.ones(2)]),))
+    expected = 5.0 if aggregation == "sum" else 5.0 / 3
+    np.testing.assert_array_equal(copies(three, v), [[expected, expected]] * 3)
+
+
 # -- extended.update and the TF docstring examples -------------------------------------
 
 
