@@ -262,11 +262,12 @@ class StrategyExtended:
         be ambiguous and raise."""
         n = self._strategy.num_replicas_in_sync
         ambiguous = op in (ReduceOp.SUM, ReduceOp.PRODUCT)
-        value = copies_of(value)  # (a variable: its copies, as in TF)
+        given = value
+        value = copies_of(value)  # (a variable: its copies, as in TF; a plain one: its value)
         if isinstance(value, DistributedValues) or n == 1 or not ambiguous:
             return value
         raise InvalidArgumentError(
-            f"a value that is not distributed ({type(value).__name__}) cannot be reduced "
+            f"a value that is not distributed ({type(given).__name__}) cannot be reduced "
             f"with {op.name} across {n} replicas (is it one replica's value, or every "
             "replica's?); pass the PerReplica value from strategy.run, or use MEAN."
         )
@@ -484,8 +485,10 @@ class Strategy:
         """Reduce ``value`` across replicas to a NumPy array on the host.
 
         ``value`` is one value: a ``PerReplica`` (from ``run``), a ``Mirrored``, a
-        variable, or a plain array (every replica's). For a dict or list of them,
-        reduce each (a structure of distributed values raises, naming how).
+        variable of this strategy (its copies), or a plain array or a variable made
+        outside any scope (every replica's: with several replicas, SUM and PRODUCT
+        of it raise as ambiguous). For a dict or list of them, reduce each (a
+        structure of distributed values raises, naming how).
 
         With ``axis``, each replica's value is first reduced along that axis too;
         MEAN then divides by the true number of elements over all replicas (so an
@@ -603,7 +606,7 @@ class Strategy:
     async def _host_components(self, value: Any) -> list:
         """The components of ``value`` as host arrays; GPU components are copied in
         stream order while the loop keeps running."""
-        value = copies_of(value)  # (a variable: its copies, as in TF)
+        value = copies_of(value)  # (a variable: its copies, as in TF; a plain one: its value)
         if isinstance(value, DistributedValues):
             parts = list(value._values)
             if len(parts) != len(self._slots):

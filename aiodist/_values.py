@@ -125,9 +125,13 @@ def _component(value: DistributedValues, replica_id: int, num_replicas: int) -> 
 
 def copies_of(value: object) -> object:
     """``value`` with a variable as its copies: a ``PerReplica`` on the variable's
-    devices (TF's variables are distributed values, reduced component by component);
-    anything else as it is."""
+    devices (TF's distributed variables are distributed values, reduced component
+    by component); a plain variable (made outside any scope) as its value, which is
+    not distributed (so, as in TF, its SUM across several replicas is ambiguous and
+    its MEAN is itself); anything else as it is."""
     if hasattr(value, "_aiodist_local_results"):
+        if not value._aiodist_distributed:
+            return value.read_value()
         return PerReplica(value._aiodist_local_results(), value._aiodist_devices)
     return value
 

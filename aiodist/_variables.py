@@ -388,6 +388,12 @@ class Variable:
         values = self._values
         return tuple(values[c] for c in self._copy_of)
 
+    @property
+    def _aiodist_distributed(self) -> bool:
+        """Whether this variable belongs to a strategy (made in its scope); a plain
+        one is reduced as the one value it holds, as TF reduces it."""
+        return self._strategy is not None
+
     # -- reading ----------------------------------------------------------------------
 
     def _replica_index(self) -> int | None:

@@ -748,6 +748,32 @@ async def test_reduce_of_a_variable_reduces_its_copies_as_tf_does(two):
     assert float(await two.reduce("sum", w, axis=None)) == 4.0  # two copies of 2.0
 
 
+async def test_a_plain_variable_is_reduced_as_its_value_as_tf_does(two):
+    # Made outside any scope, it is not distributed: as for a plain array, its MEAN
+    # is itself and its SUM over several replicas is ambiguous (TF's rule).
+    plain = aiodist.Variable(np.array([1.0, 3.0]), name="plain")
+    ops = two.extended._cross_device_ops
+    with two.scope():
+        for mean in (
+            two.reduce("mean", plain, axis=None),
+            two.extended.reduce_to("mean", plain, "cpu:1"),
+            ops.reduce("mean", plain, "cpu:0"),
+        ):
+            np.testing.assert_array_equal(await mean, [1.0, 3.0])
+        assert float(await two.reduce("mean", plain, axis=0)) == 2.0
+        np.testing.assert_array_equal(await two.gather(plain, axis=0), [1.0, 3.0])
+        for total in (
+            two.reduce("sum", plain, axis=None),
+            two.extended.reduce_to("sum", plain, "cpu:0"),
+            two.extended.batch_reduce_to("sum", [(plain, "cpu:0")]),
+        ):
+            with pytest.raises(
+                aiodist.InvalidArgumentError,
+                match=r"not distributed \(Variable\) cannot be reduced with SUM across 2",
+            ):
+                await total
+
+
 async def test_writing_a_variable_under_another_strategy_raises(two, three):
     with two.scope():
         v = aiodist.Variable(1.0, aggregation="mean")
