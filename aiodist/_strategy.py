@@ -232,9 +232,20 @@ class StrategyExtended:
 
         ``Mirrored`` arguments are unwrapped per copy. Returns a ``Mirrored`` of
         the results (a tuple with ``group=False``), one per replica: replicas
-        sharing a device share its copy's result.
+        sharing a device share its copy's result. ``var`` is a variable of this
+        strategy (or one made outside any scope); another strategy's raises
+        ``ContextError``, as writing it here would.
         """
         _context.require_cross_replica(self._strategy, "update")
+        owner = var._strategy if isinstance(var, _variables.Variable) else None
+        mine = _context.non_default(self._strategy)
+        if owner is not None and mine is not None and owner is not mine:
+            # TF's rule, as for the variable's own writes: one strategy at a time.
+            raise ContextError(
+                f"Mixing different aiodist strategies: update() of {owner!r}'s variable "
+                f"{var.name!r} was called on {mine!r}; update a variable through the "
+                "strategy whose scope made it (its extended.update)."
+            )
         return await _variables.update(var, fn, args, kwargs, group)
 
     async def call_for_each_replica(

@@ -792,6 +792,21 @@ async def test_writing_a_variable_under_another_strategy_raises(two, three):
     assert copies(two, v) == [4.0, 4.0]
 
 
+async def test_updating_a_variable_through_another_strategy_raises(two, three):
+    with two.scope():
+        v = aiodist.Variable(1.0, name="w")
+    # As its own writes do (TF's rule): in the other strategy's scope and outside any.
+    with three.scope(), pytest.raises(RuntimeError, match=r"Mixing different aiodist strategies"):
+        await three.extended.update(v, lambda copy: copy.assign(5.0))
+    with pytest.raises(aiodist.ContextError, match=r"variable 'w' was called on MirroredStrategy"):
+        await three.extended.update(v, lambda copy: copy.assign(5.0))
+    assert copies(two, v) == [1.0, 1.0]  # nothing was written
+    await aiodist.get_strategy().extended.update(v, lambda copy: copy.assign(2.0))  # no scope
+    with two.scope():
+        await two.extended.update(v, lambda copy: copy.assign_add(1.0))
+    assert copies(two, v) == [3.0, 3.0]
+
+
 def test_variable_created_in_scope(two, three):
     with two.scope():
         v = aiodist.Variable(1.0)
