@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _nest
 from ._backends import host_array
 from ._checks import seconds, whole_number
 from ._errors import AiodistError, InvalidArgumentError
@@ -125,8 +126,8 @@ class Batcher:
     Args:
         strategy: the strategy whose replicas run the step.
         step_fn: ``async def step_fn(rows)`` run once per replica on that
-            replica's share of the batch rows; returns an array with one row
-            per input row.
+            replica's share of the batch rows; returns one array with one row
+            per input row (not a tuple, list or dict of outputs).
         max_batch_size: most rows in one batch.
         max_wait_seconds: how long the first request of a batch may wait for
             company.
@@ -476,6 +477,15 @@ class Batcher:
         ]
         inputs = regroup(placed, strategy._devices)
         result = await self.strategy.run(self.step_fn, args=(inputs,))
+        if _nest.is_nested(result):
+            # NumPy would stack a tuple of outputs (or a list of them) into one array
+            # whose axis 0 is the outputs, not the rows: callers would get each
+            # other's rows whenever the counts happened to agree.
+            raise InvalidArgumentError(
+                f"the step returned a {type(result).__name__}; it must return one array "
+                "with one output row per input row (np.stack or np.concatenate several "
+                "outputs, or a list of rows, into one array)."
+            )
         parts = [host_array(part) for part in self.strategy.experimental_local_results(result)]
         if len(parts) == 1 and len(shards) > 1:  # the same object from every replica
             parts *= len(shards)

@@ -298,6 +298,31 @@ async def test_each_replicas_row_count_is_checked_not_only_the_total(two):
     await batcher.stop()
 
 
+async def test_a_step_returning_several_outputs_is_refused_not_mixed_up(two):
+    # (outputs, scores): NumPy stacked the tuple into an array whose axis 0 was the two
+    # outputs; with two rows per replica the row counts agreed, and each caller got
+    # another caller's outputs (caller 0 got [[0], [10]], caller 1 got [[-0], [-1]]).
+    async def two_outputs(rows):
+        return rows * 10, -rows
+
+    batcher = Batcher(two, two_outputs, max_wait_seconds=0.05)
+    await batcher.start()
+    outcomes = await asyncio.gather(
+        *(batcher.submit(np.full((1, 1), float(i))) for i in range(4)), return_exceptions=True
+    )
+    for outcome in outcomes:
+        assert isinstance(outcome, aiodist.InvalidArgumentError), outcome
+        assert "the step returned a tuple; it must return one array" in str(outcome)
+
+    async def named_outputs(rows):
+        return {"y": rows}
+
+    batcher.step_fn = named_outputs
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"returned a dict; it must return one"):
+        await batcher.submit(np.ones((2, 1)))
+    await batcher.stop()
+
+
 def test_batcher_argument_checks(two):
     with pytest.raises(ValueError, match=r"max_batch_size=0; expected an int >= 1"):
         Batcher(two, linear, max_batch_size=0)
