@@ -625,8 +625,16 @@ class _Sources:
         return True, shards
 
     async def aclose(self) -> None:
+        """Close every replica's source, also when closing one raises: the first
+        error is raised once all of them are closed."""
+        error: Exception | None = None
         for source in self._sources:
-            await source.aclose()
+            try:
+                await source.aclose()
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error
 
 
 def from_function(

@@ -268,3 +268,36 @@ def test_distribute_dataset_refuses_per_replica_mode_as_tf_does(two):
         ):
             two.experimental_distribute_dataset([np.arange(4.0)], options)
     two.distribute_datasets_from_function(lambda context: [np.arange(2.0)], per_replica)
+
+
+@pytest.mark.parametrize("how", ["async for", "for"])
+async def test_aclose_closes_every_replicas_source_when_one_fails_to_close(three, how):
+    """PER_REPLICA: closing replica 0's source raised, and the sources after it
+    were left open (replicas 1 and 2's readers never released)."""
+    failure = OSError("could not release reader 0")
+    closed = []
+
+    def dataset_fn(context):
+        def source():
+            try:
+                for i in range(10):
+                    yield np.full(2, i)
+            finally:
+                closed.append(context.input_pipeline_id)
+                if context.input_pipeline_id == 0:
+                    raise failure
+
+        return source()
+
+    options = aiodist.InputOptions(experimental_replication_mode="PER_REPLICA")
+    dataset = three.distribute_datasets_from_function(dataset_fn, options)
+    iterator = aiter(dataset) if how == "async for" else iter(dataset)
+    if how == "async for":
+        await anext(iterator)
+    else:
+        next(iterator)
+    with pytest.raises(OSError) as info:
+        await iterator.aclose()
+    assert info.value is failure
+    assert sorted(closed) == [0, 1, 2]
+    assert not _producers()
