@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import aiodist
@@ -157,9 +157,13 @@ def create_app(
         max_queue_rows=max_queue_rows,
     )
 
-    async def predict(request: Request) -> JSONResponse:
+    async def predict(request: Request) -> Response:
         try:
-            rows = parse_inputs(await request.body(), max_rows_per_request)
+            payload = await request.body()
+        except ClientDisconnect:  # gone before sending its whole body: nobody to answer
+            return Response(status_code=499)  # (never sent; nginx's "client closed request")
+        try:
+            rows = parse_inputs(payload, max_rows_per_request)
         except BadInput as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
         try:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import logging
 import math
 import statistics
 import sys
@@ -494,6 +495,33 @@ async def test_client_disconnect_does_not_disturb_others():
         for row, (status, document) in zip(rows, results[20:], strict=True):
             assert status == 200
             np.testing.assert_array_equal(np.array(document["outputs"]), model.reference([row]))
+
+
+async def test_a_client_gone_mid_body_logs_no_server_error():
+    # Starlette raises ClientDisconnect from request.body(); uncaught, it was logged
+    # as "Exception in ASGI application" with a traceback, once per such client.
+    errors: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = errors.append
+    logger = logging.getLogger("uvicorn.error")
+    try:
+        async with running_server() as (app, port, _):
+            logger.addHandler(handler)  # (after uvicorn configured its logging)
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            payload = body([[1.0] * 16])
+            head = f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: {len(payload)}\r\n\r\n"
+            writer.write(head.encode() + payload[:10])
+            await writer.drain()
+            writer.close()
+            status, document = await http(port, "POST", "/predict", payload)
+            assert status == 200
+            np.testing.assert_array_equal(
+                np.array(document["outputs"]), app.state.model.reference([[1.0] * 16])
+            )
+        # The server has waited for every request's task when the block ends.
+    finally:
+        logger.removeHandler(handler)
+    assert not errors, [record.getMessage() for record in errors]
 
 
 async def test_graceful_shutdown_completes_in_flight_requests():
