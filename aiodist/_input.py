@@ -239,10 +239,13 @@ def _empty_like(structure: object) -> object:
 def _check_iterable(iterable: Any, where: str) -> None:
     """Refuse what cannot be iterated, without opening it: iterating a data loader
     can start its workers. The methods are looked up on the type, as ``iter()``
-    does (a class has ``__iter__`` as an attribute, yet is not iterable)."""
+    does (a class has ``__iter__`` as an attribute, yet is not iterable), and a
+    ``__getitem__`` alone makes an iterable, as for ``iter()`` (the sequence
+    protocol: items 0, 1, ... until ``IndexError``)."""
     kind = type(iterable)
-    iterable_kind = (
-        getattr(kind, "__aiter__", None) is not None or getattr(kind, "__iter__", None) is not None
+    iterable_kind = any(
+        getattr(kind, method, None) is not None
+        for method in ("__aiter__", "__iter__", "__getitem__")
     )
     # A 0-d array has __iter__ and raises when called; strings iterate characters.
     zero_d = getattr(iterable, "ndim", None) == 0

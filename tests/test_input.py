@@ -203,6 +203,30 @@ def test_replication_mode_may_be_named_like_every_other_enum_option():
     assert options.experimental_replication_mode is aiodist.InputReplicationMode.PER_REPLICA
 
 
+class Indexed:
+    """Batches read by index until ``IndexError``: the sequence protocol, which
+    ``iter()`` and ``for`` accept from a class with ``__getitem__`` alone."""
+
+    def __init__(self, batches: list):
+        self.batches = batches
+
+    def __getitem__(self, index: int):
+        return self.batches[index]
+
+
+async def test_a_dataset_iterable_by_index_only_is_accepted(two):
+    # It was refused at the call: "<Indexed object> is not iterable".
+    batches = [np.arange(4.0), np.arange(4.0, 8.0)]
+    dataset = two.experimental_distribute_dataset(Indexed(batches))
+    for got in ([b async for b in dataset], list(dataset)):
+        assert [np.concatenate(shards(two, b)).tolist() for b in got] == [
+            b.tolist() for b in batches
+        ]
+    per_replica = aiodist.InputOptions(experimental_replication_mode="PER_REPLICA")
+    dataset = two.distribute_datasets_from_function(lambda context: Indexed(batches), per_replica)
+    assert len([b async for b in dataset]) == 2
+
+
 async def test_fetch_to_device_false_keeps_host_arrays(two):
     options = aiodist.InputOptions(experimental_fetch_to_device=False)
     batch = np.arange(4)
