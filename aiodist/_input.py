@@ -258,11 +258,14 @@ def _check_iterable(iterable: Any, where: str) -> None:
 
 
 class _Source:
-    """A sync or async iterable, read one element at a time from the loop."""
+    """A sync or async iterable, read one element at a time from the loop. One
+    that is both (``__aiter__`` and ``__iter__``) is read asynchronously, but
+    synchronously for a plain ``for`` (``sync``)."""
 
-    def __init__(self, iterable: Any, where: str):
+    def __init__(self, iterable: Any, where: str, sync: bool = False):
         _check_iterable(iterable, where)
-        if hasattr(iterable, "__aiter__"):
+        has_iter = getattr(type(iterable), "__iter__", None) is not None
+        if hasattr(iterable, "__aiter__") and not (sync and has_iter):
             self._async: AsyncIterator | None = iterable.__aiter__()
             self._sync: Iterator | None = None
         else:
@@ -441,7 +444,7 @@ class DistributedIterator:
         if self._closed:  # after aclose(), as for `async for`
             raise StopIteration
         if self._sync_source is None:
-            source = self._dataset._open()
+            source = self._dataset._open(sync=True)
             if source.is_async:
                 raise InvalidArgumentError(
                     f"{self._dataset._where}: the dataset is an async iterable, so iterate it "
@@ -492,10 +495,11 @@ class DistributedDataset:
 
     # -- reading ---------------------------------------------------------------------
 
-    def _open(self) -> Any:
+    def _open(self, sync: bool = False) -> Any:
+        """The source(s) to read; ``sync`` for a plain ``for``."""
         if self._per_replica_sources:
-            return _Sources([_Source(it, self._where) for it in self._source_iterable])
-        return _Source(self._source_iterable, self._where)
+            return _Sources([_Source(it, self._where, sync) for it in self._source_iterable])
+        return _Source(self._source_iterable, self._where, sync)
 
     async def _next(self, source: Any, prefetching: bool = False) -> tuple[bool, Any]:
         """The next ``PerReplica`` batch. While a batch is in use the source may make

@@ -86,6 +86,35 @@ async def test_async_generator_source_and_plain_for_refused(two):
     assert values == [(0, 0), (1, 1), (2, 2)]
 
 
+class BothWays:
+    """A loader iterable with ``for`` and with ``async for``."""
+
+    def __init__(self, batches: list):
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    async def __aiter__(self):
+        for batch in self.batches:
+            await asyncio.sleep(0)
+            yield batch
+
+
+async def test_a_dataset_iterable_both_ways_works_with_a_plain_for(two):
+    # A plain `for` was refused: "the dataset is an async iterable, so iterate it
+    # with `async for`", though the dataset is a plain iterable too.
+    batches = [np.arange(4.0), np.arange(4.0, 8.0)]
+    dataset = two.experimental_distribute_dataset(BothWays(batches))
+    for got in (list(dataset), [b async for b in dataset]):
+        assert [np.concatenate(shards(two, b)).tolist() for b in got] == [
+            b.tolist() for b in batches
+        ]
+    per_replica = aiodist.InputOptions(experimental_replication_mode="PER_REPLICA")
+    dataset = two.distribute_datasets_from_function(lambda context: BothWays(batches), per_replica)
+    assert len(list(dataset)) == 2
+
+
 async def test_dataset_feeds_run_and_reduce(strategy, num_replicas):
     """The training-loop shape: async for batch -> run -> reduce."""
     data = [np.arange(6, dtype=np.float64) + 6 * i for i in range(4)]
