@@ -433,7 +433,10 @@ class DistributedIterator:
         await self.aclose()
 
     def __del__(self) -> None:
-        if self._pipeline is not None:
+        # A loop closed with the producer still pending (loop.close() without
+        # cancelling its tasks) can schedule nothing more: asyncio itself reports
+        # the pending task; cancelling it here would raise "Event loop is closed".
+        if self._pipeline is not None and not self._pipeline.task.get_loop().is_closed():
             self._pipeline.cancel()
 
     # plain iteration, on demand

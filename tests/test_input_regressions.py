@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import sys
 
 import numpy as np
 import pytest
@@ -301,3 +303,27 @@ async def test_aclose_closes_every_replicas_source_when_one_fails_to_close(three
     assert info.value is failure
     assert sorted(closed) == [0, 1, 2]
     assert not _producers()
+
+
+def test_an_iterator_dropped_after_its_loop_closed_raises_nothing(two, monkeypatch):
+    """A loop closed without cancelling its tasks (run_until_complete, then close),
+    the iterator dropped later: its __del__ cancelled the producer on the closed
+    loop, and Python printed "Exception ignored ... RuntimeError: Event loop is
+    closed"."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    kept = []
+
+    async def main():
+        iterator = aiter(two.experimental_distribute_dataset(np.full(2, i) for i in range(100)))
+        await anext(iterator)
+        kept.append(iterator)
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()  # the producer is left pending (asyncio reports that itself)
+    kept.clear()
+    gc.collect()
+    assert [u.exc_value for u in unraisable if u.exc_type is RuntimeError] == []
