@@ -132,6 +132,40 @@ async def submit_in_batches(batcher: Batcher, rows: np.ndarray) -> np.ndarray:
     return np.concatenate(outputs)
 
 
+async def unless_hung_up(request: Request, work: Any) -> Any:
+    """The result of ``work`` (a coroutine), or None if the client hangs up first:
+    then ``work`` is cancelled. Starlette does not cancel a handler whose client
+    went away, so without this the batcher would keep its rows queued (using up
+    admission) and compute them for nobody. (A watcher task cancels this
+    handler's task: half the cost of running ``work`` as a task of its own.)"""
+    handler = asyncio.current_task()
+    assert handler is not None
+    hung_up = False
+
+    async def watch() -> None:
+        nonlocal hung_up
+        await _hang_up(request)
+        hung_up = True
+        handler.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if hung_up and handler.uncancel() == 0:  # ours alone, not a server's shutdown
+            return None
+        raise
+    finally:
+        watcher.cancel()
+
+
+async def _hang_up(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so the server's
+    next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def create_app(
     devices: list[str],
     *,
@@ -167,9 +201,11 @@ def create_app(
         except BadInput as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
         try:
-            outputs = await submit_in_batches(batcher, rows)
+            outputs = await unless_hung_up(request, submit_in_batches(batcher, rows))
         except (Overloaded, NotServing) as exc:
             return JSONResponse({"error": str(exc)}, status_code=503)
+        if outputs is None:  # the client hung up: its rows were withdrawn
+            return Response(status_code=499)
         return JSONResponse({"outputs": outputs.tolist()})
 
     async def healthz(request: Request) -> JSONResponse:

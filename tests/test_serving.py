@@ -524,6 +524,44 @@ async def test_a_client_gone_mid_body_logs_no_server_error():
     assert not errors, [record.getMessage() for record in errors]
 
 
+async def test_clients_hanging_up_while_queued_free_the_queue():
+    # Starlette does not cancel the handler of a client that went away: its rows
+    # stayed queued (using up admission) and were computed for nobody (4 queued
+    # rows stayed queued; 6 rows computed for 6 clients that had all hung up).
+    async with running_server(max_batch_size=1, max_wait_seconds=0) as (app, port, _):
+        batcher, gate, rows_run = app.state.batcher, asyncio.Event(), []
+        model_step = batcher.step_fn
+
+        async def gated(rows):
+            rows_run.append(len(rows))
+            await gate.wait()
+            return await model_step(rows)
+
+        batcher.step_fn = gated
+        payload = body([[1.0] * 16])
+        head = f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: {len(payload)}\r\n\r\n"
+        writers = []
+        for _ in range(6):  # two one-row batches in flight (one row each), four queued
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(head.encode() + payload)
+            writers.append(writer)
+        try:
+            await wait_until(
+                lambda: sum(rows_run) == 2 and batcher.queued_rows == 4, "6 requests in", 100_000
+            )
+            for writer in writers:
+                writer.close()
+            await wait_until(lambda: batcher.queued_rows == 0, "queued rows withdrawn", 100_000)
+        finally:  # (so that the server can shut down when this fails)
+            gate.set()
+        status, document = await http(port, "POST", "/predict", payload)
+        assert status == 200
+        np.testing.assert_array_equal(
+            np.array(document["outputs"]), app.state.model.reference([[1.0] * 16])
+        )
+        assert sum(rows_run) == 3  # the two batches in flight, then the live request
+
+
 async def test_graceful_shutdown_completes_in_flight_requests():
     async with running_server(max_wait_seconds=0.3) as (app, port, server):
         rows = [[float(i)] * 16 for i in range(10)]
