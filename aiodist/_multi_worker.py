@@ -412,7 +412,8 @@ class World:
         self._failed_at: dict[int, int] = {}
         # Operations finishing for nobody, each with what it keeps alive (operate).
         self._background: dict[asyncio.Task, object] = {}
-        # After a run failed, stale headers may follow (see _agreed): until one
+        # After a run failed, or ended here while it may have failed on another
+        # worker (run_ended), stale headers may follow (see _agreed): until one
         # exchange completes without one (``_probe``, done when it ends), exchanges
         # are posted one at a time, so each one found stale is made again before
         # the next is posted, and no later one meets the place it should have had.
@@ -572,6 +573,18 @@ class World:
         self._failed_at[run] = min(place, self._failed_at.get(run, place))
         if run not in self.failed_runs:
             self.failed_runs.add(run)
+            self._recovering = True
+
+    def run_ended(self) -> None:
+        """A run ended on this worker without failing. Another worker's run may still
+        have failed after its last cross-worker call: its failure header then takes
+        the place of this worker's next exchange, which is stale (see ``_agreed``).
+        Exchanges posted beside that one would each meet the peers' exchange made
+        one place earlier: a mismatch, or two ``strategy.reduce`` of one shape
+        silently pairing the wrong values. So the next exchange is posted alone
+        (``_recovering``): only the first of a run's overlapped collectives waits,
+        for one header exchange."""
+        if self.size > 1:
             self._recovering = True
 
     def _failed_before(self, run: int | None, place: int) -> bool:
@@ -1642,7 +1655,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             token = _current_run.set(run)
             self._failed_replica = self._failed_with = None
             try:
-                return await super().run(fn, args, kwargs, options)
+                result = await super().run(fn, args, kwargs, options)
             except BaseException as exc:
                 number = world.run_key(run)
                 if number not in world.failed_runs:  # the others do not know yet
@@ -1650,6 +1663,8 @@ class MultiWorkerMirroredStrategy(Strategy):
                 raise
             finally:
                 _current_run.reset(token)
+            world.run_ended()  # (inside the lock: before the next run's exchanges)
+            return result
 
     def _failure_text(self, run: int, exc: BaseException) -> str:
         if isinstance(exc, asyncio.CancelledError) and isinstance(

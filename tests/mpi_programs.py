@@ -538,6 +538,42 @@ async def _failures_keep_the_order(strategy: aiodist.Strategy) -> dict:
     return out
 
 
+async def _overlapped_after_a_failure(strategy: aiodist.Strategy) -> dict:
+    """Runs 1 and 3 fail on worker 1 after their last collective (worker 0's succeed);
+    run 2 starts two collectives before awaiting either, and after run 3 two
+    strategy.reduce of one shape are gathered. Before, worker 0's first exchange
+    after run 1 (or 3) met worker 1's failure header, stale there, while its next
+    one was already posted at the following place: run 2 failed with a mismatch on
+    both workers, and the two reduces paired the wrong values."""
+    w = strategy.worker_index
+    out = {}
+
+    async def step(k):
+        ctx = aiodist.get_replica_context()
+        if k in (1, 3):
+            total = await ctx.all_reduce("sum", np.float64(k))
+            if w == 1:
+                raise ValueError(f"bad result {k} on worker 1")
+            return total
+        first = ctx.all_reduce("sum", np.float64(k))
+        second = ctx.all_gather(np.full((1,), 10.0 * k), axis=0)
+        return await first, await second
+
+    for k in (1, 2, 3):
+        try:
+            result = strategy.experimental_local_results(await strategy.run(step, args=(k,)))
+            out[f"run{k}"] = _plain(result)
+        except Exception as exc:
+            out[f"run{k}"] = [type(exc).__name__, str(exc)]
+    with strategy.scope():
+        reduces = await asyncio.gather(
+            strategy.reduce("sum", np.float64(1.0), axis=None),
+            strategy.reduce("sum", np.float64(10.0), axis=None),
+        )
+    out["reduces"] = [float(r) for r in reduces]
+    return out
+
+
 async def _give_up_mid_operation(strategy: aiodist.Strategy) -> dict:
     """Worker 1 cancels its run while its all_reduce waits for worker 0 (slow to
     arrive): the all_reduce, whose header was sent, finishes in the background, so
@@ -856,6 +892,7 @@ _BOUNDED = (
     "overlapped",
     "after_agreed",
     "exit_in_replica",
+    "overlapped_after_a_failure",
 )  # a 30 s timeout: failing at once shows
 
 
@@ -893,6 +930,7 @@ def main() -> None:
         "fail_then_go_on": _fail_then_go_on,
         "failures_keep_the_order": _failures_keep_the_order,
         "overlapped": _overlapped,
+        "overlapped_after_a_failure": _overlapped_after_a_failure,
         "after_agreed": _after_agreed,
         "exit_in_replica": _exit_in_replica,
         "stall": _stall,

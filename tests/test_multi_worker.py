@@ -251,6 +251,23 @@ def test_failed_runs_never_make_the_workers_order_drift(loop):
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_overlapped_calls_after_a_run_failed_elsewhere_pair_right(loop):
+    """Worker 1's runs 1 and 3 fail after their last collective. Before, worker 0's
+    next exchange met the stale failure header while its following one was already
+    posted: run 2's two overlapped collectives failed with CollectiveMismatchError on
+    both workers, and two gathered strategy.reduce gave [11.0, 11.0], not [2.0, 20.0]."""
+    rc, results, output, _ = _program(2, "overlapped_after_a_failure", [1, 1], loop=loop)
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == [0, 1], output[-3000:]
+    for rank, result in results.items():
+        for k in (1, 3):
+            want = [["ValueError", f"bad result {k} on worker 1"], [2.0 * k]][rank == 0]
+            assert result[f"run{k}"] == want, result
+        assert result["run2"] == [[4.0, [20.0, 20.0]]], result
+        assert result["reduces"] == [2.0, 20.0], result
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_worker_that_gives_up_mid_operation_keeps_the_order(loop):
     """Worker 1's run is cancelled while its all_reduce's header exchange waits for
     worker 0. Before, that lost the order: worker 0's call failed ("worker 1 lost
