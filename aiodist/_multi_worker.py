@@ -846,7 +846,7 @@ class World:
             for w, h in enumerate(headers)
         )
         raise CollectiveMismatchError(
-            f"workers disagree on cross-worker operation #{self.order}: {seen}. Every "
+            f"workers disagree on cross-worker operation #{mine['order']}: {seen}. Every "
             "worker must make the same collective calls, with the same shapes and dtypes, "
             "in the same order (runs on one strategy are serialised; cross-replica "
             "calls count in the same sequence)."

@@ -538,6 +538,23 @@ async def _failures_keep_the_order(strategy: aiodist.Strategy) -> dict:
     return out
 
 
+async def _overlapped_mismatch(strategy: aiodist.Strategy) -> list:
+    """Two all_reduces started before either is awaited; the first's shapes differ
+    between the workers. The mismatch error's message, on each worker."""
+
+    async def step():
+        ctx = aiodist.get_replica_context()
+        first = ctx.all_reduce("sum", np.ones(3 if strategy.worker_index == 1 else 2))
+        second = ctx.all_reduce("sum", 5.0)
+        return await first, await second
+
+    try:
+        await strategy.run(step)
+    except aiodist.AiodistError as exc:
+        return [type(exc).__name__, str(exc)]
+    return [None, ""]
+
+
 async def _overlapped_after_a_failure(strategy: aiodist.Strategy) -> dict:
     """Runs 1 and 3 fail on worker 1 after their last collective (worker 0's succeed);
     run 2 starts two collectives before awaiting either, and after run 3 two
@@ -893,6 +910,7 @@ _BOUNDED = (
     "after_agreed",
     "exit_in_replica",
     "overlapped_after_a_failure",
+    "overlapped_mismatch",
 )  # a 30 s timeout: failing at once shows
 
 
@@ -931,6 +949,7 @@ def main() -> None:
         "failures_keep_the_order": _failures_keep_the_order,
         "overlapped": _overlapped,
         "overlapped_after_a_failure": _overlapped_after_a_failure,
+        "overlapped_mismatch": _overlapped_mismatch,
         "after_agreed": _after_agreed,
         "exit_in_replica": _exit_in_replica,
         "stall": _stall,

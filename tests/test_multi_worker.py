@@ -176,6 +176,20 @@ def test_a_mismatch_between_workers_is_named_on_every_worker(loop):
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_mismatch_of_overlapped_collectives_names_its_own_operation_number(loop):
+    """Before, the message named the latest operation this worker had posted (#3,
+    the second all_reduce's) while every header it listed said #2."""
+    _, results, output, _ = _program(2, "overlapped_mismatch", [1, 1], loop=loop)
+    assert sorted(results) == [0, 1], output[-3000:]
+    for name, message in results.values():
+        assert name == "CollectiveMismatchError", message
+        assert message.startswith("workers disagree on cross-worker operation #2: "), message
+        assert "all_reduce(SUM, float64[3]), call #0 of run 1 (cross-worker operation #2)" in (
+            message
+        )
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_an_unresponsive_worker_makes_the_others_fail_within_the_timeout(loop):
     """Worker 1 stops (SIGSTOP: alive, never answering); the others report it
     within the 1.5 s timeout, naming it, and the job then ends (MPI_Abort)."""
