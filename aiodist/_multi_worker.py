@@ -1599,7 +1599,9 @@ class MultiWorkerMirroredStrategy(Strategy):
                     timeout,
                 )
             self._extended = _MultiWorkerExtended(self, self._extended._cross_device_ops)
-            self._locks: dict[Any, asyncio.Lock] = {}
+            # The end of the run submitted last, on the loop it runs on: the next run
+            # starts once it is done (runs are serialised: the order rule).
+            self._last_end: dict[Any, asyncio.Future] = {}
             # The replica whose exception failed the run in flight (runs are serialised).
             self._failed_replica: int | None = None
             self._failed_with: BaseException | None = None
@@ -1616,7 +1618,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         also done when the strategy is garbage, and at exit); later cross-worker
         calls on it raise ``InvalidArgumentError``. Refused (``InvalidArgumentError``,
         naming them) while a run or cross-worker operation of it is in flight."""
-        self._world.refuse_close(any(lock.locked() for lock in self._locks.values()))
+        self._world.refuse_close(any(not end.done() for end in self._last_end.values()))
         self._finalizer()
 
     def __repr__(self) -> str:
@@ -1645,13 +1647,22 @@ class MultiWorkerMirroredStrategy(Strategy):
         if _context.current_replica() is not None:  # raises the usual error
             return await super().run(fn, args, kwargs, options)
         loop = asyncio.get_running_loop()
-        lock = self._locks.get(loop)
-        if lock is None:
-            self._locks = {loop: asyncio.Lock()}  # strategies outlive loops
-            lock = self._locks[loop]
-        async with lock:
-            world = self._world
-            run = _Run()  # numbered at its first cross-worker exchange (World.run_key)
+        previous = self._last_end.get(loop)
+        ended = loop.create_future()  # done once this run has ended: the next may start
+        self._last_end = {loop: ended}  # (strategies outlive loops: only this one's kept)
+        world = self._world
+        run = _Run()  # numbered at its first cross-worker exchange (World.run_key)
+        if previous is not None and not previous.done():
+            try:
+                await asyncio.shield(previous)  # (shielded: the runs after it wait too)
+            except asyncio.CancelledError:
+                # Cancelled while waiting for its turn: on the other workers, the run
+                # at this place may have started. It keeps its place, and when its turn
+                # comes it fails as a run cancelled while running does, so the runs
+                # after it pair with the other workers' runs.
+                previous.add_done_callback(functools.partial(self._never_started, run, ended))
+                raise
+        try:
             token = _current_run.set(run)
             self._failed_replica = self._failed_with = None
             try:
@@ -1663,8 +1674,21 @@ class MultiWorkerMirroredStrategy(Strategy):
                 raise
             finally:
                 _current_run.reset(token)
-            world.run_ended()  # (inside the lock: before the next run's exchanges)
+            world.run_ended()  # (before the next run's exchanges)
             return result
+        finally:
+            ended.set_result(None)
+
+    def _never_started(self, run: _Run, ended: asyncio.Future, _: object = None) -> None:
+        """The turn of ``run``, cancelled while it waited for it, has come: its failure
+        header takes its place (the other workers' run there raises, naming it)."""
+        try:
+            world = self._world
+            number = world.run_key(run)
+            if number not in world.failed_runs:
+                world.tell_failure(number, f"its run {number} was cancelled before it started")
+        finally:
+            ended.set_result(None)
 
     def _failure_text(self, run: int, exc: BaseException) -> str:
         if isinstance(exc, asyncio.CancelledError) and isinstance(

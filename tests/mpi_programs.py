@@ -538,6 +538,31 @@ async def _failures_keep_the_order(strategy: aiodist.Strategy) -> dict:
     return out
 
 
+async def _cancelled_in_turn(strategy: aiodist.Strategy) -> dict:
+    """Runs A and B submitted together (B waits for A's end); worker 1 gives B up
+    while it waits, then every worker runs C. Before, worker 1's B left no trace,
+    so worker 0's B paired with worker 1's C (B's sum was 110.0 there) and worker
+    0's C waited for worker 1 until the timeout."""
+    started = time.monotonic()
+
+    async def step(value, pause):
+        await asyncio.sleep(pause)
+        return await aiodist.get_replica_context().all_reduce("sum", value)
+
+    async def attempt(run):
+        try:
+            return float(await run)
+        except (aiodist.AiodistError, TimeoutError) as exc:
+            return [type(exc).__name__, str(exc)]
+
+    second = strategy.run(step, args=(10.0, 0.0))
+    if strategy.worker_index == 1:
+        second = asyncio.wait_for(second, 0.2)  # (run A sleeps 0.5 s first)
+    a, b = await asyncio.gather(attempt(strategy.run(step, args=(1.0, 0.5))), attempt(second))
+    c = await attempt(strategy.run(step, args=(100.0, 0.0)))
+    return {"a": a, "b": b, "c": c, "after": time.monotonic() - started}
+
+
 async def _overlapped_mismatch(strategy: aiodist.Strategy) -> list:
     """Two all_reduces started before either is awaited; the first's shapes differ
     between the workers. The mismatch error's message, on each worker."""
@@ -911,6 +936,7 @@ _BOUNDED = (
     "exit_in_replica",
     "overlapped_after_a_failure",
     "overlapped_mismatch",
+    "cancelled_in_turn",
 )  # a 30 s timeout: failing at once shows
 
 
@@ -950,6 +976,7 @@ def main() -> None:
         "overlapped": _overlapped,
         "overlapped_after_a_failure": _overlapped_after_a_failure,
         "overlapped_mismatch": _overlapped_mismatch,
+        "cancelled_in_turn": _cancelled_in_turn,
         "after_agreed": _after_agreed,
         "exit_in_replica": _exit_in_replica,
         "stall": _stall,

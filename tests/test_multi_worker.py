@@ -506,6 +506,26 @@ def test_concurrent_runs_are_serialised_and_all_correct():
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_run_cancelled_while_waiting_for_its_turn_keeps_its_place(loop):
+    """Worker 1 gives up run B while B waits for run A. Before, worker 0's B paired
+    with worker 1's next run C (110.0, the sum of B's and C's values), and worker
+    0's C waited until the timeout (the job then ended with MPI_Abort). Now worker
+    0's B raises naming worker 1, and C pairs."""
+    rc, results, output, _ = _program(2, "cancelled_in_turn", [1, 1], loop=loop)
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == [0, 1], output[-3000:]
+    assert results[1]["b"] == ["TimeoutError", ""], results[1]
+    name, message = results[0]["b"]
+    assert name == "ReplicaExitedError", results[0]
+    assert "worker 1 (replica 1) will not join it: its run 2 was cancelled before it started" in (
+        message
+    )
+    for result in results.values():
+        assert result["a"] == 2.0 and result["c"] == 200.0, result
+        assert result["after"] < 10, result
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_synchronous_read_during_a_cross_worker_call_is_refused_not_deadlocked(loop):
     rc, results, output, _ = _program(2, "busy", [2, 1], loop=loop)
     assert rc == 0, output[-3000:]
