@@ -77,6 +77,7 @@ from ._devices import HOST as _HOST
 from ._devices import Device
 from ._errors import (
     CollectiveMismatchError,
+    ContextError,
     DeviceError,
     InvalidArgumentError,
     RendezvousError,
@@ -336,12 +337,14 @@ class _Turn:
 
 class _Run:
     """One ``strategy.run`` in flight: its number among the runs that took part in
-    the order, once it has one (``World.run_key``)."""
+    the order, once it has one (``World.run_key``); its strategy's world, and the
+    future done when it ends (set by ``MultiWorkerMirroredStrategy.run``)."""
 
-    __slots__ = ("number",)
+    __slots__ = ("ended", "number", "world")
 
-    def __init__(self) -> None:
+    def __init__(self, world: World | None = None, ended: asyncio.Future | None = None):
         self.number: int | None = None
+        self.world, self.ended = world, ended
 
 
 # The run the current task belongs to (its replicas' and collectives' tasks inherit it
@@ -1646,12 +1649,23 @@ class MultiWorkerMirroredStrategy(Strategy):
         """``Strategy.run``, one run at a time per strategy (the order rule)."""
         if _context.current_replica() is not None:  # raises the usual error
             return await super().run(fn, args, kwargs, options)
+        world = self._world
+        outer = _current_run.get()
+        if outer is not None and outer.world is world and not outer.ended.done():
+            # (from a merge_fn of a run of this strategy, or a task it started)
+            raise ContextError(
+                "strategy.run() was called inside a run of this MultiWorkerMirroredStrategy "
+                "(from its merge_fn, or a task started there); runs on it are serialised, "
+                "so it would wait forever for the end of the run that waits for it. Call "
+                "it after that run; inside merge_fn, reduce with strategy.reduce() or "
+                "strategy.extended.batch_reduce_to()."
+            )
         loop = asyncio.get_running_loop()
         previous = self._last_end.get(loop)
         ended = loop.create_future()  # done once this run has ended: the next may start
         self._last_end = {loop: ended}  # (strategies outlive loops: only this one's kept)
-        world = self._world
-        run = _Run()  # numbered at its first cross-worker exchange (World.run_key)
+        # Numbered at its first cross-worker exchange (World.run_key).
+        run = _Run(world, ended)
         if previous is not None and not previous.done():
             try:
                 await asyncio.shield(previous)  # (shielded: the runs after it wait too)

@@ -563,6 +563,31 @@ async def _cancelled_in_turn(strategy: aiodist.Strategy) -> dict:
     return {"a": a, "b": b, "c": c, "after": time.monotonic() - started}
 
 
+async def _run_in_merge_fn(strategy: aiodist.Strategy) -> dict:
+    """A merge_fn calls strategy.run (bounded here by wait_for: it waited forever for
+    the end of the run waiting for it), then a plain run follows."""
+
+    async def inner():
+        return await aiodist.get_replica_context().all_reduce("sum", 1.0)
+
+    async def step():
+        async def merge_fn(strategy):
+            return await strategy.run(inner)
+
+        return await aiodist.get_replica_context().merge_call(merge_fn)
+
+    started = time.monotonic()
+    try:
+        await asyncio.wait_for(strategy.run(step), 5.0)
+    except (aiodist.AiodistError, TimeoutError) as exc:
+        nested = [type(exc).__name__, str(exc)]
+    return {
+        "nested": nested,
+        "after": time.monotonic() - started,
+        "next": float(await strategy.run(inner)),
+    }
+
+
 async def _overlapped_mismatch(strategy: aiodist.Strategy) -> list:
     """Two all_reduces started before either is awaited; the first's shapes differ
     between the workers. The mismatch error's message, on each worker."""
@@ -937,6 +962,7 @@ _BOUNDED = (
     "overlapped_after_a_failure",
     "overlapped_mismatch",
     "cancelled_in_turn",
+    "run_in_merge_fn",
 )  # a 30 s timeout: failing at once shows
 
 
@@ -977,6 +1003,7 @@ def main() -> None:
         "overlapped_after_a_failure": _overlapped_after_a_failure,
         "overlapped_mismatch": _overlapped_mismatch,
         "cancelled_in_turn": _cancelled_in_turn,
+        "run_in_merge_fn": _run_in_merge_fn,
         "after_agreed": _after_agreed,
         "exit_in_replica": _exit_in_replica,
         "stall": _stall,

@@ -526,6 +526,20 @@ def test_a_run_cancelled_while_waiting_for_its_turn_keeps_its_place(loop):
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_run_inside_a_runs_merge_fn_is_refused_not_deadlocked(loop):
+    """Before, the inner run waited forever for the end of the outer run, which
+    waited for it (runs are serialised)."""
+    rc, results, output, _ = _program(2, "run_in_merge_fn", [1, 1], loop=loop)
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == [0, 1], output[-3000:]
+    for result in results.values():
+        name, message = result["nested"]
+        assert name == "ContextError", result
+        assert message.startswith("strategy.run() was called inside a run of this "), message
+        assert result["after"] < 3 and result["next"] == 2.0, result
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_synchronous_read_during_a_cross_worker_call_is_refused_not_deadlocked(loop):
     rc, results, output, _ = _program(2, "busy", [2, 1], loop=loop)
     assert rc == 0, output[-3000:]
