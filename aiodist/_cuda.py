@@ -363,12 +363,28 @@ def unique_id() -> bytes:
     return bytes(b & 0xFF for b in made)
 
 
-def _comm_id(uid: bytes) -> Any:
+def _comm_id(uid: bytes, signed: bool = True) -> Any:
     """``uid`` as this CuPy's ``NcclCommunicator`` takes it: bytes from CuPy 14 on,
-    a tuple of signed chars before."""
+    before that a tuple of C ``char`` values: ``signed`` (-128..127, as on x86-64)
+    or not (0..255, as on aarch64, where ``char`` is unsigned)."""
     if int(cupy.__version__.split(".")[0]) >= 14:
         return uid
+    if not signed:
+        return tuple(uid)
     return tuple(b - 256 if b > 127 else b for b in uid)
+
+
+def _new_rank(nccl: Any, total: int, uid: bytes, rank: int) -> Any:
+    """``NcclCommunicator(total, uid, rank)``, with ``uid`` in the form this CuPy takes.
+
+    CuPy 13 copies the id into a C ``char`` array, whose signedness is the
+    platform's: Cython refuses -128..-1 where ``char`` is unsigned (aarch64, Grace
+    Hopper) with ``OverflowError``, before NCCL is called, so the unsigned form is
+    tried then (values above 127 are refused the same way on x86-64)."""
+    try:
+        return nccl.NcclCommunicator(total, _comm_id(uid), rank)
+    except OverflowError:
+        return nccl.NcclCommunicator(total, _comm_id(uid, signed=False), rank)
 
 
 def gpu_identities(indices: tuple[int, ...]) -> list[str]:
@@ -395,7 +411,7 @@ def world_communicators(uid: bytes, total: int, first_rank: int, indices: tuple[
         try:
             for i, index in enumerate(indices):
                 with cupy.cuda.Device(index):  # a rank belongs to the current device
-                    comms.append(nccl.NcclCommunicator(total, _comm_id(uid), first_rank + i))
+                    comms.append(_new_rank(nccl, total, uid, first_rank + i))
         finally:
             nccl.groupEnd()
         _communicators[key] = comms

@@ -69,6 +69,19 @@ def test_nccl_apis_exist():
     assert hasattr(cupy.cuda.Device, "pci_bus_id")  # gpu_identities: one GPU, one name
 
 
+def test_the_unique_id_in_both_char_signednesses():
+    """CuPy 13 takes the id as a tuple of C chars, signed on x86-64 and unsigned on
+    aarch64 (Cython refuses the other range); CuPy 14 takes the bytes."""
+    import aiodist._cuda as cuda
+
+    uid = bytes(range(128, 256))
+    if int(cupy.__version__.split(".")[0]) >= 14:
+        assert cuda._comm_id(uid) == cuda._comm_id(uid, signed=False) == uid
+    else:
+        assert cuda._comm_id(uid) == tuple(range(-128, 0))
+        assert cuda._comm_id(uid, signed=False) == tuple(range(128, 256))
+
+
 def test_nccl_version_under_warnings_as_errors():
     """Without NCCL's library CuPy warns on importing cupy.cuda.nccl; under warnings
     as errors (this project's pytest settings) nccl_version must still say None

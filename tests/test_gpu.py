@@ -581,6 +581,18 @@ def test_nccl_two_ranks_on_one_gpu_when_nccl_allows_it():
     assert "RESULT [4.0, 4.0]" in done.stdout, done.stdout + done.stderr[-2000:]
 
 
+def test_a_rank_made_from_a_unique_id():
+    """The multi-worker path: a rank made by NcclCommunicator(n, id, rank) from a
+    unique id, in the form this CuPy and platform take it. (CuPy 13 copies the id
+    into C chars, unsigned on aarch64, where the signed form raised OverflowError.)"""
+    from aiodist import _cuda
+
+    if _cuda.nccl_version() is None:
+        pytest.skip("NCCL's library is not installed")
+    (comm,) = _cuda.world_communicators(_cuda.unique_id(), 1, 0, (0,))
+    assert (comm.size(), comm.rank_id(), comm.device_id()) == (1, 0, 0)
+
+
 # -- no hangs ------------------------------------------------------------------------------
 
 
