@@ -88,7 +88,18 @@ def _frozen(array: Any) -> Any:
 
 def _update_value(kind: str, old: Any, value: Any, where: str) -> Any:
     """The new copy for ``assign``/``assign_add``/``assign_sub`` of ``value`` onto ``old``."""
-    xp = __import__("cupy") if is_cupy_array(old) else np
+    if is_cupy_array(old):
+        # CuPy runs kernels on, and allocates from, the *current* device. Copies are
+        # written in a loop with one device current (a merge_fn's: the first one's),
+        # so for a copy on another GPU ``old + value`` raised "Peer access is
+        # unavailable", or, with peer access, the new copy landed on the current
+        # device. Its own device is made current (with that device's current stream).
+        with old.device:
+            return _new_value(__import__("cupy"), kind, old, value, where)
+    return _new_value(np, kind, old, value, where)
+
+
+def _new_value(xp: Any, kind: str, old: Any, value: Any, where: str) -> Any:
     value = xp.asarray(value)
     if kind == "assign_add":
         value = xp.asarray(old + value)  # ufuncs give scalars for 0-d arrays

@@ -443,6 +443,29 @@ async def test_a_mirrored_variable_on_a_shared_gpu_is_one_copy_ordered_for_every
     assert strategy.experimental_local_results(result) == (7.0, 7.0)
 
 
+async def test_a_mirrored_variable_over_distinct_gpus_keeps_each_copy_on_its_gpu():
+    """Every copy is written with its own GPU current: CuPy computes on, and allocates
+    from, the current device, so a copy written from another GPU raised "Peer access
+    is unavailable" or, with peer access, moved to that GPU (a PerformanceWarning)."""
+    if visible_gpu_count() < 2:
+        pytest.skip("needs two GPUs")
+    strategy = aiodist.MirroredStrategy(_nccl_devices())
+    n = strategy.num_replicas_in_sync
+    with strategy.scope():
+        v = aiodist.Variable(np.zeros(3, np.float32), aggregation="sum")
+
+    async def step():
+        await v.assign_add(cupy.ones(3, cupy.float32))  # replica context: one merge_fn
+
+    await strategy.run(step)
+    with strategy.scope():
+        await v.assign_sub(np.ones(3, np.float32))  # cross-replica context
+    copies = strategy.experimental_local_results(v)
+    assert [copy.device.id for copy in copies] == list(range(n))
+    for copy in copies:
+        np.testing.assert_array_equal(copy.get(), [n - 1.0] * 3)
+
+
 # -- packing ---------------------------------------------------------------------------
 
 _MIXED = [
