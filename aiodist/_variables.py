@@ -122,34 +122,36 @@ def _new_value(xp: Any, kind: str, old: Any, value: Any, where: str) -> Any:
     return _frozen(value.astype(old.dtype, copy=True))
 
 
-def _integer_sums(arrays: Sequence[Any], n: int) -> tuple[np.ndarray, np.ndarray]:
+def _integer_sums(arrays: Sequence[Any], n: int, xp: Any = np) -> tuple[Any, Any]:
     """Integer ``arrays`` summed for an exact MEAN over ``n`` values, in 64 bits that
     cannot overflow: ``(q, r)`` with ``sum(arrays) == q * n + r`` and ``|r| < n * n``
     (each array divided by ``n`` toward zero first, so ``|q|`` stays within the
     largest ``|array|``). Signed 64 bits, or unsigned where every array is unsigned.
-    Across workers, ``q`` and ``r`` are summed over every worker's arrays too."""
+    Across workers, ``q`` and ``r`` are summed over every worker's arrays too. ``xp``:
+    NumPy (the arrays copied to the host), or CuPy for arrays on one GPU (computed
+    there, in stream order)."""
     unsigned = all(np.dtype(a.dtype).kind == "u" for a in arrays)
     wide = np.dtype(np.uint64 if unsigned else np.int64)
     count = wide.type(n)
     q_total = r_total = wide.type(0)
     for array in arrays:
-        a = np.asarray(host_array(array)).astype(wide)
+        a = (np.asarray(host_array(array)) if xp is np else array).astype(wide)
         q = a // count  # floor; toward zero for the negative ones just below
         if not unsigned:
             q = q + ((a < 0) & (a % count != 0))
         q_total = q_total + q
         r_total = r_total + (a - q * count)  # each in (-n, n); |q * n| <= |a|
-    return np.asarray(q_total), np.asarray(r_total)
+    return xp.asarray(q_total), xp.asarray(r_total)
 
 
-def _mean_of_sums(q: np.ndarray, r: np.ndarray, n: int, dtype: np.dtype) -> np.ndarray:
+def _mean_of_sums(q: Any, r: Any, n: int, dtype: np.dtype, xp: Any = np) -> Any:
     """The MEAN ``(q * n + r) / n`` (see ``_integer_sums``) in ``dtype``, rounded half
     to even, computed without ever forming the sum (which may not fit in 64 bits)."""
     count = q.dtype.type(n)
-    carry, remainder = np.divmod(r, count)  # floor: remainder in [0, n)
+    carry, remainder = xp.divmod(r, count)  # floor: remainder in [0, n)
     low = q + carry  # the floor of the mean: between the values, so it fits
     up = (2 * remainder > count) | ((2 * remainder == count) & (low % 2 == 1))
-    return np.asarray(low + up).astype(dtype)
+    return xp.asarray(low + up).astype(dtype)
 
 
 def _unary(op: Callable[[Any], Any]) -> Callable[[Variable], Any]:
@@ -570,7 +572,13 @@ class MirroredVariable(Variable):
 
         def merge_fn(strategy: Any, per_replica: Any) -> None:
             parts = _replica_values(strategy, per_replica)
-            self._write_every_copy(kind, self._aggregate(kind, parts))
+            if self._on_streams:
+                # The one value every copy takes, as _write_every_copy gives it, less
+                # _per_copy's copy to the host: on GPUs the aggregate stays there.
+                aggregate = self._aggregate_on_device(kind, parts)
+                self._write_copies(kind, [aggregate] * len(self._values))
+            else:
+                self._write_every_copy(kind, self._aggregate(kind, parts))
 
         if self._strategy._world is not None:  # across workers: aggregate globally
 
@@ -606,8 +614,8 @@ class MirroredVariable(Variable):
         (total,) = await strategy._reduce_across(op, [PerReplica(parts)], None, None)
         return total
 
-    def _shaped(self, kind: str, parts: list, first_id: int = 0) -> list:
-        """The replicas' values (host arrays; the first is replica ``first_id``'s) each
+    def _shaped(self, kind: str, parts: list, first_id: int = 0, xp: Any = np) -> list:
+        """The replicas' values (arrays of ``xp``; the first is replica ``first_id``'s) each
         with the variable's shape, broadcast as a write would (a scalar is added to
         every element), so that a replica's value of another shape is named here
         rather than failing inside the reduction with NumPy's words only."""
@@ -617,7 +625,7 @@ class MirroredVariable(Variable):
         shaped = []
         for part in parts:
             try:
-                shaped.append(np.broadcast_to(part, shape))
+                shaped.append(xp.broadcast_to(part, shape))
             except ValueError:
                 seen = ", ".join(
                     f"replica {first_id + i}: {tuple(p.shape)}" for i, p in enumerate(parts)
@@ -650,6 +658,25 @@ class MirroredVariable(Variable):
         op = ReduceOp.SUM if self._aggregation is VariableAggregation.SUM else ReduceOp.MEAN
         ops = self._strategy.extended._cross_device_ops
         return host_array(ops._reduce_arrays(op, arrays, _HOST))
+
+    def _aggregate_on_device(self, kind: str, parts: Sequence[Any]) -> Any:
+        """``_aggregate`` on GPUs: reduced on the first copy's device and issued on the
+        current streams (a merge_fn's cross streams, ordered after the replicas' work).
+        Never through the host: a copy to it waits for the GPU on the event loop,
+        which a rendezvous must not do (SPEC 7, docs/gpu.md)."""
+        if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+            return parts[0]  # (_replace_copies places it on every copy's device)
+        target = self._devices[0]
+        backend = backend_for(target)
+        arrays = [backend.asarray(p, target) for p in parts]
+        arrays = self._shaped(kind, arrays, xp=backend.xp)
+        if self._exact_mean_of(arrays):
+            n = len(arrays)
+            with backend.on_device(target):  # (CuPy computes on the current device)
+                sums = _integer_sums(arrays, n, backend.xp)
+                return _mean_of_sums(*sums, n, self.dtype, backend.xp)
+        op = ReduceOp.SUM if self._aggregation is VariableAggregation.SUM else ReduceOp.MEAN
+        return self._strategy.extended._cross_device_ops._reduce_arrays(op, arrays, target)
 
 
 def _replica_values(strategy: Any, per_replica: Any) -> list:

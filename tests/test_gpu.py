@@ -466,6 +466,30 @@ async def test_a_mirrored_variable_over_distinct_gpus_keeps_each_copy_on_its_gpu
         np.testing.assert_array_equal(copy.get(), [n - 1.0] * 3)
 
 
+async def test_a_mirrored_variable_update_in_replica_context_never_blocks_the_loop():
+    """SPEC 7: the update is a rendezvous, and its aggregate is made on the GPU in
+    stream order; it was copied to the host (get()), which waited on the loop for
+    the replicas' kernels (here ~0.5 s)."""
+    strategy = _shared(2)
+    with strategy.scope():
+        v = aiodist.Variable(np.zeros(1, np.float32), aggregation="sum")
+        w = aiodist.Variable(np.zeros(1, np.int32), aggregation="mean")
+    cycles = _cycles(0.5)
+
+    async def step():
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        x = cupy.zeros(1, cupy.float32)
+        _slow_set(x, 1.0, cycles)  # x is 1 only 0.5 s after this
+        await v.assign_add(x)
+        await w.assign(cupy.full(1, 3 * rid, cupy.int32))  # MEAN 1.5, rounded to even
+
+    async with loop_lag() as lags:
+        await strategy.run(step)
+    assert max(lags) < 0.05, f"event loop blocked for {max(lags) * 1e3:.1f} ms"
+    assert float(v.read_value().get()[0]) == 2.0
+    assert int(w.read_value().get()[0]) == 2
+
+
 # -- packing ---------------------------------------------------------------------------
 
 _MIXED = [
