@@ -44,7 +44,6 @@ from typing import Any
 import numpy as np
 
 from . import _nest
-from ._backends import host_array
 from ._checks import seconds, whole_number
 from ._errors import AiodistError, InvalidArgumentError
 from ._input import split_batch
@@ -486,7 +485,10 @@ class Batcher:
                 "with one output row per input row (np.stack or np.concatenate several "
                 "outputs, or a list of rows, into one array)."
             )
-        parts = [host_array(part) for part in self.strategy.experimental_local_results(result)]
+        # Each replica's output on the host. On GPUs, copied in stream order after the
+        # replicas' work while the loop keeps serving (host_array's CuPy get() waits
+        # for the GPU on the loop, and only for the current stream, not the replicas').
+        parts = await strategy._host_components(result)
         if len(parts) == 1 and len(shards) > 1:  # the same object from every replica
             parts *= len(shards)
         # Each replica's rows checked against its own share: a surplus on one and a

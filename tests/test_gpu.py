@@ -244,6 +244,32 @@ async def test_a_batcher_hands_gpu_replicas_their_rows_on_the_gpu():
         np.testing.assert_array_equal(answer, np.full((1, 3), 2.0 * i))
 
 
+async def test_a_batcher_waits_for_slow_gpu_outputs_without_blocking_the_loop():
+    """The step's outputs are computed on each replica's stream behind a ~0.5 s
+    kernel: the Batcher copies them to the host in stream order (the rows, not what
+    the new buffer held) while the loop keeps running (host_array's get() waited
+    for the GPU on the loop, and for the current stream only)."""
+    from aiodist.serving import Batcher
+
+    strategy = _shared(2)
+    cycles = _cycles(0.5)
+
+    async def forward(rows):
+        gate = cupy.zeros(1, cupy.float32)
+        _slow_set(gate, 2.0, cycles)  # gate is 2 only once the kernel ends
+        return rows * gate  # computed after it, on this replica's stream
+
+    batcher = Batcher(strategy, forward, max_batch_size=8, max_wait_seconds=0.01)
+    await batcher.start()
+    requests = [np.full((1, 3), float(i + 1), np.float32) for i in range(4)]
+    async with loop_lag() as lags:
+        answers = await asyncio.gather(*(batcher.submit(r) for r in requests))
+    await batcher.stop()
+    assert max(lags) < 0.05, f"event loop blocked for {max(lags) * 1e3:.1f} ms"
+    for request, answer in zip(requests, answers, strict=True):
+        np.testing.assert_array_equal(answer, request * 2)
+
+
 async def test_a_slow_kernel_before_an_all_reduce_still_gives_the_right_result():
     """Replica 0's input is written by a ~200 ms kernel on its stream; without
     event ordering the reduction would read the zeros that were there before."""
