@@ -593,7 +593,10 @@ class MirroredVariable(Variable):
     async def _aggregate_across(self, kind: str, per_replica: Any) -> Any:
         """The aggregate of every worker's replicas' values (multi-worker strategies)."""
         strategy = self._strategy
-        parts = [np.asarray(host_array(p)) for p in _replica_values(strategy, per_replica)]
+        # On the host, for the exchange between workers: GPU values copied in stream
+        # order while the loop keeps running (host_array's get() would wait on it).
+        local = PerReplica(tuple(_replica_values(strategy, per_replica)))
+        parts = await strategy._host_components(local)
         if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             # Global replica 0 is worker 0's first: its value, sent to every worker.
             timeout = strategy._communication_options.timeout_seconds
