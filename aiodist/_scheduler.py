@@ -595,6 +595,17 @@ class RunGroup:
             self._cancel_all()
             await self._drain()
             raise
+        except (KeyboardInterrupt, SystemExit) as exc:
+            # Python 3.12+: a replica's first step, which runs as its task is made
+            # above, raised one of these two (itself, or through a merge_fn its arrival
+            # completed), and asyncio let it through at once, out of the task's
+            # creation (a later step's would stop the loop instead). The run fails
+            # with it as with any replica's failure: the replicas already started are
+            # cancelled and waited for, then it is raised, the same object. (Also one
+            # raised by a signal handler while this frame runs.)
+            self._failure = exc
+            self._cancel_all()
+            await self._drain()
         finally:
             self._finished = True
             if not self._on_host:
@@ -742,6 +753,8 @@ class RunGroup:
         """Replica ``rid``'s function raised ``exc`` or was cancelled: record the run's
         failure, tell the rendezvous, and let the run finish (it waits for every task
         in ``_drain``)."""
+        if self._finished:  # the run raised it already (see run's SystemExit case)
+            return
         if isinstance(exc, asyncio.CancelledError):
             if not self._cancelling and self._failure is None:
                 # Cancelled by something other than this run: it cannot finish.

@@ -339,6 +339,44 @@ async def test_replica_tasks_start_eagerly_on_python_312(two):
     assert len({seen[0], seen[1], caller}) == 3  # each replica its own task
 
 
+@pytest.mark.skipif(
+    sys.version_info < (3, 12),
+    reason="replica tasks start eagerly on Python 3.12+ only; on 3.11 a SystemExit in a "
+    "replica's step stops the event loop itself, as asyncio does for any task",
+)
+@pytest.mark.parametrize("where", ["replica", "merge_fn"])
+async def test_a_system_exit_in_a_replicas_first_step_leaves_no_replica_running(three, where):
+    """Python 3.12+: a replica's first step runs as its task is made, inside run(), so
+    a SystemExit (or KeyboardInterrupt) raised there, by the replica or by a merge_fn
+    its arrival completes, comes out of run() itself (asyncio lets these two through
+    at once). run() still cancels and waits for the replicas already started, as for
+    any failure, and raises the same object."""
+    cancelled = []
+    stop = SystemExit(3)
+
+    def merge_fn(strategy):
+        raise stop
+
+    async def fn():
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        if where == "merge_fn":
+            return await aiodist.get_replica_context().merge_call(merge_fn)
+        if rid == 1:
+            raise stop  # in its first step; replica 2's task is never made
+        try:
+            await asyncio.Event().wait()  # would wait forever
+        except asyncio.CancelledError:
+            cancelled.append(rid)
+            raise
+
+    with pytest.raises(SystemExit) as info:
+        await three.run(fn)
+    assert info.value is stop
+    assert cancelled == ([0] if where == "replica" else [])
+    assert not _own_tasks()
+    assert three.statistics().runs_in_flight == 0
+
+
 # How a task factory makes the tasks it does make: as asyncio does; around a wrapper
 # of its own (instrumentation); eagerly (Python 3.12+: the first step runs at once).
 _FACTORY_KINDS = {
