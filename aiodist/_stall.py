@@ -115,9 +115,6 @@ def _short(filename: str) -> str:
     return filename if relative.startswith("..") else relative
 
 
-_EMPTY_CONTEXT = contextvars.Context()
-
-
 # Every strategy (weakly), registered as it is made: a watchdog finds the runs of
 # its loop among their runs in flight (each strategy's _live_groups), so a run is
 # registered nowhere else. A set of runs per watchdog, added to and discarded from
@@ -156,6 +153,13 @@ class Watchdog:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = weakref.ref(loop)
         self._due = math.inf  # when the armed timer fires (inf: none is armed)
+        # The empty context its timers run in: its own, not one shared by every
+        # watchdog, since a context cannot be entered by two threads at once. Two
+        # loops in two threads firing their timers together then failed one of them
+        # ("cannot enter context"), which also left its watchdog waiting for that
+        # timer, reporting nothing on its loop ever after. (A loop runs one callback
+        # at a time, so its watchdog's context is never entered twice.)
+        self._context = contextvars.Context()
 
     def ensure(self, when: float) -> None:
         """Wake up no later than ``when`` (a ``time.perf_counter()`` value)."""
@@ -171,7 +175,7 @@ class Watchdog:
         # In an empty context: the caller's (a replica's, holding its run) would stay
         # alive with the timer, and the run with it, until the timer fired.
         delay = max(0.0, when - time.perf_counter())
-        loop.call_later(delay, self._tick, when, context=_EMPTY_CONTEXT)
+        loop.call_later(delay, self._tick, when, context=self._context)
 
     def _tick(self, armed_for: float) -> None:
         if armed_for != self._due:  # superseded by an earlier timer

@@ -33,12 +33,21 @@ async def helper(event: asyncio.Event) -> None:
 
 
 async def wait_for_records(caplog, count: int) -> list[logging.LogRecord]:
+    return await wait_for_records_of(caplog, None, count)
+
+
+async def wait_for_records_of(caplog, thread: int | None, count: int) -> list[logging.LogRecord]:
+    """The aiodist warnings logged (by ``thread``, if given), once there are ``count``."""
     for _ in range(400):
-        records = [r for r in caplog.records if r.name == "aiodist"]
+        records = [
+            r
+            for r in caplog.records
+            if r.name == "aiodist" and (thread is None or r.thread == thread)
+        ]
         if len(records) >= count:
             return records
         await asyncio.sleep(0.01)
-    raise AssertionError(f"expected {count} aiodist warnings, got {len(caplog.records)}")
+    raise AssertionError(f"expected {count} aiodist warnings, got {len(records)}")
 
 
 # -- stall reports -------------------------------------------------------------------
@@ -209,6 +218,59 @@ async def test_stall_reports_go_on_while_another_thread_makes_strategies(caplog)
         release.set()
     assert (await run).values == (2.0, 2.0)
     assert all(r.getMessage().startswith("all_reduce #0 has waited") for r in records)
+
+
+async def test_stall_reports_go_on_while_another_threads_watchdog_reports(caplog):
+    """Each loop's watchdog runs in a context of its own. While another thread's
+    watchdog is inside its report (here a slow logging handler), this loop's reports
+    are made, the one due then and later ones: a context shared by every watchdog
+    could not be entered by a second thread at once, which failed that timer and
+    left its watchdog waiting for it for ever. (Here the other thread is in its
+    report, in the timer's callback, while this loop's timer fires.)"""
+    caplog.set_level(logging.WARNING)
+    options = aiodist.CommunicationOptions(stall_warning_seconds=0.02)
+    in_report, leave_report = threading.Event(), threading.Event()
+    other = threading.Thread(target=lambda: asyncio.run(stall(leave_report)))
+
+    def slow_in_the_other_thread(record: logging.LogRecord) -> bool:
+        # (A filter: a handler would hold its lock meanwhile, and block this thread.)
+        if threading.current_thread() is other and not in_report.is_set():
+            in_report.set()
+            leave_report.wait(10)
+        return True
+
+    async def stall(released: threading.Event) -> object:
+        strategy = aiodist.MirroredStrategy(cpu_devices(2), communication_options=options)
+
+        async def fn():
+            if rid() == 1:
+                await asyncio.to_thread(released.wait, 10)
+            return await aiodist.get_replica_context().all_reduce("sum", 1.0)
+
+        return await strategy.run(fn)
+
+    async def stall_reported_here() -> None:
+        """A run here stalls until this thread has logged one stall report more."""
+        mine = threading.get_ident()
+        before = len([r for r in caplog.records if r.name == "aiodist" and r.thread == mine])
+        released = threading.Event()
+        run = asyncio.create_task(stall(released))
+        await wait_for_records_of(caplog, mine, before + 1)
+        released.set()
+        assert (await run).values == (2.0, 2.0)
+
+    logging.getLogger("aiodist").addFilter(slow_in_the_other_thread)
+    try:
+        other.start()
+        await asyncio.to_thread(in_report.wait, 10)  # its watchdog is inside its report
+        await stall_reported_here()
+        leave_report.set()
+        await asyncio.to_thread(other.join, 10)
+        await stall_reported_here()  # this loop's watchdog still works
+    finally:
+        leave_report.set()
+        logging.getLogger("aiodist").removeFilter(slow_in_the_other_thread)
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 _DEFAULT_CONTEXT_IN_TWO_LOOPS = """
