@@ -235,9 +235,6 @@ class _Progress:
                 return
 
 
-_EMPTY_CONTEXT = contextvars.Context()
-
-
 def _release(pause: asyncio.Future, _: object = None) -> None:
     if not pause.done():
         pause.set_result(None)
@@ -247,11 +244,14 @@ async def _until(loop: asyncio.AbstractEventLoop, waiter: asyncio.Future, when: 
     """Wait until ``waiter`` is done or the loop's clock reaches ``when``. The timer
     and callback run in an empty context: the caller's (a replica's, holding its
     run and strategy) would stay alive in the loop's heap of cancelled timers
-    until the deadline, and a dropped strategy with it."""
+    until the deadline, and a dropped strategy with it. A new one per call: one
+    context shared by loops in two threads cannot be entered by both at once
+    (the second callback would fail, and its wait never end)."""
     pause = loop.create_future()
     wake = functools.partial(_release, pause)
-    timer = None if when == math.inf else loop.call_at(when, wake, context=_EMPTY_CONTEXT)
-    waiter.add_done_callback(wake, context=_EMPTY_CONTEXT)
+    empty = contextvars.Context()
+    timer = None if when == math.inf else loop.call_at(when, wake, context=empty)
+    waiter.add_done_callback(wake, context=empty)
     try:
         await pause
     finally:
