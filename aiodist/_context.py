@@ -18,7 +18,9 @@ unlike TensorFlow's thread-local stacks, nothing leaks between coroutines.
 
 ``strategy.scope()`` returns a ``Scope``: as TF's, one object may be entered
 again inside its own block, and tasks and threads sharing it may leave it in any
-order (each entry is undone by the task or thread that made it).
+order (each entry is undone by the task or thread that made it, or by another
+task in the context it was made in: pytest-asyncio runs an async fixture's code
+before and after its ``yield`` as two tasks sharing one context).
 """
 
 from __future__ import annotations
@@ -171,33 +173,59 @@ def scope_of(strategy: Strategy) -> Scope:
 class Scope:
     """What ``strategy.scope()`` returns. As TF's, one object may be entered again
     inside its own ``with`` block (and after it): each entry's token is kept, with
-    the thread and task that entered it, until that task leaves the block."""
+    the thread and task that entered it and the state it made current, until that
+    task leaves the block (or another task does, in the same context)."""
 
     __slots__ = ("_entries", "_strategy")
 
     def __init__(self, strategy: Strategy):
         self._strategy = strategy
-        self._entries: list[tuple[Any, contextvars.Token | None]] = []
+        # (who entered, the token undoing the entry or None, the state it left current)
+        self._entries: list[tuple[Any, contextvars.Token | None, _State]] = []
 
     def __repr__(self) -> str:
         return f"<scope of {self._strategy!r}, entered {len(self._entries)} time(s)>"
 
     def __enter__(self) -> Strategy:
-        self._entries.append((_entrant(), _enter_scope(self._strategy)))
+        token = _enter_scope(self._strategy)
+        self._entries.append((_entrant(), token, _STATE.get()))
         return self._strategy
 
     def __exit__(self, *exc_info: object) -> None:
+        entries = self._entries
         entrant = _entrant()
         # The latest entry of this task (thread): tasks and threads sharing one scope
         # object leave it in any order.
-        for i in range(len(self._entries) - 1, -1, -1):
-            if self._entries[i][0] == entrant:
-                token = self._entries.pop(i)[1]
+        for i in range(len(entries) - 1, -1, -1):
+            if entries[i][0] == entrant:
+                token = entries.pop(i)[1]
                 break
-        else:  # (a with statement cannot leave what it did not enter)
-            raise ContextError(f"{self!r} was left by a task or thread that did not enter it.")
+        else:
+            self._leave_for_another_task()
+            return
         if token is not None:
             _STATE.reset(token)
+
+    def _leave_for_another_task(self) -> None:
+        """Leave an entry another task made, in the context this one runs in.
+
+        A with statement cannot leave what it did not enter, but a block's two halves
+        may run in two tasks: pytest-asyncio runs an async generator fixture's code
+        before and after its ``yield`` as two tasks in one context. The entry is the
+        latest whose state is current here; its token resets only in the context
+        that made it (anywhere else the entry is another task's, and stays)."""
+        entries, state = self._entries, _STATE.get()
+        for i in range(len(entries) - 1, -1, -1):
+            if entries[i][2] is state:
+                token = entries[i][1]
+                if token is not None:
+                    try:
+                        _STATE.reset(token)
+                    except ValueError:  # made in another context: not this block's entry
+                        break
+                del entries[i]
+                return
+        raise ContextError(f"{self!r} was left by a task or thread that did not enter it.")
 
 
 def _entrant() -> tuple[int, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -126,6 +127,35 @@ def test_one_scope_object_shared_by_threads_leaving_in_any_order(two):
         for done in [pool.submit(first), pool.submit(second)]:
             done.result()
     assert seen == {"first after": False, "second inside": True, "second after": False}
+
+
+async def test_a_scope_entered_and_left_by_two_tasks_of_one_context(two):
+    """pytest-asyncio runs an async generator fixture's code before and after its
+    yield as two tasks sharing one context. Leaving the scope in the second task
+    raised ContextError ("left by a task or thread that did not enter it") and left
+    the scope current in that context: every later test of the session then failed
+    with "Mixing different aiodist strategies"."""
+
+    async def fixture():
+        with two.scope():
+            yield aiodist.get_strategy()
+
+    loop = asyncio.get_running_loop()
+    context = contextvars.copy_context()
+    generator = fixture()
+    assert await loop.create_task(anext(generator), context=context) is two
+    assert context.run(aiodist.get_strategy) is two
+    assert await loop.create_task(anext(generator, "done"), context=context) == "done"
+    assert not context.run(aiodist.has_strategy)
+    # A task of another context still cannot leave an entry it did not make.
+    scope = two.scope()
+    scope.__enter__()
+    try:
+        with pytest.raises(aiodist.ContextError, match=r"did not enter it"):
+            await asyncio.create_task(asyncio.to_thread(scope.__exit__, None, None, None))
+        assert aiodist.get_strategy() is two
+    finally:
+        scope.__exit__(None, None, None)
 
 
 def test_mixing_strategies_raises(two, three):

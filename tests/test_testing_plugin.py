@@ -94,6 +94,33 @@ def _run_gpu_fixture_test(pytester):
     return result
 
 
+def test_a_fixture_may_hold_a_scope_open_for_its_test(pytester):
+    """An async generator fixture's two halves run as two tasks of one context: the
+    second could not leave the scope the first entered, and the scope stayed current
+    for every later test ("Mixing different aiodist strategies")."""
+    result = run(
+        pytester,
+        """
+        import pytest
+        import aiodist
+
+        @pytest.fixture
+        async def scoped(aiodist_strategy):
+            with aiodist_strategy.scope():
+                yield aiodist_strategy
+
+        async def test_in_scope(scoped):
+            assert aiodist.get_strategy() is scoped
+
+        def test_after(aiodist_strategy):
+            assert not aiodist.has_strategy()
+            with aiodist_strategy.scope():
+                pass
+        """,
+    )
+    result.assert_outcomes(passed=2)
+
+
 def test_gpu_fixture_skips_with_a_reason_without_a_gpu(pytester):
     if importlib.util.find_spec("cupy") is not None:
         pytest.skip("this machine has CuPy: the fixture may not skip here")
