@@ -6,7 +6,10 @@ collective or merge_fn, and input prefetching. The file is the Chrome trace
 event JSON format, which Perfetto (ui.perfetto.dev) and chrome://tracing open
 directly; each replica is a track ("replica 0", "replica 1", ...), beside a
 "cross-replica" and an "input" track. Runs in flight at the same time get tracks
-of their own ("replica 0 (lane 1)", ...), so their spans never overlap on one.
+of their own ("replica 0 (lane 1)", ...), so their spans never overlap on one; a
+span that still overlaps one on its track without nesting in it (a replica with
+several collectives in flight at once) goes on a track just below
+("replica 0 (overlap 1)"), as the file is written.
 
 Recording is process-wide (one trace at a time). When no trace is recorded the
 hooks cost one module-attribute read each, at run start, arrival and completion.
@@ -41,7 +44,6 @@ __all__ = [
 CROSS_REPLICA_TRACK = 100_000
 INPUT_TRACK = 100_001
 LANE_STRIDE = 1_000_000
-_INPUT_SORT = 1 << 62  # the input track last; a lane's cross-replica track first
 
 active: Tracer | None = None  # the trace being recorded, if any
 
@@ -115,45 +117,12 @@ class Tracer:
         with self._lock:
             self._input_lanes.discard(lane)
 
-    def _track(self, track: int) -> None:
-        if track in self._tracks:
-            return
-        self._tracks.add(track)
-        lane, slot = divmod(track, LANE_STRIDE)
-        sort = track
-        if slot == INPUT_TRACK:
-            name, sort = "input", _INPUT_SORT + lane
-        elif slot == CROSS_REPLICA_TRACK:
-            name, sort = "cross-replica", lane * LANE_STRIDE
-        else:
-            name = f"replica {slot - 1}"
-        if lane:
-            name += f" (lane {lane})"
-        self._events.append(
-            {
-                "ph": "M",
-                "name": "thread_name",
-                "pid": self.pid,
-                "tid": track,
-                "args": {"name": name},
-            }
-        )
-        self._events.append(
-            {
-                "ph": "M",
-                "name": "thread_sort_index",
-                "pid": self.pid,
-                "tid": track,
-                "args": {"sort_index": sort},
-            }
-        )
-
     def span(
         self, name: str, category: str, track: int, start: float, end: float, **args: Any
     ) -> None:
         """A complete event ("X") from ``start`` to ``end`` (microseconds)."""
         with self._lock:
-            self._track(track)
+            self._tracks.add(track)
             self._events.append(
                 {
                     "ph": "X",
@@ -170,7 +139,7 @@ class Tracer:
     def instant(self, name: str, category: str, track: int, at: float, **args: Any) -> None:
         """An instant event ("i") on one track."""
         with self._lock:
-            self._track(track)
+            self._tracks.add(track)
             self._events.append(
                 {
                     "ph": "i",
@@ -186,20 +155,103 @@ class Tracer:
 
     def write(self) -> Path:
         with self._lock:
-            document = {
-                "traceEvents": [
-                    {
-                        "ph": "M",
-                        "name": "process_name",
-                        "pid": self.pid,
-                        "args": {"name": "aiodist"},
-                    },
-                    *self._events,
-                ],
-                "displayTimeUnit": "ms",
-            }
+            events, tracks = list(self._events), set(self._tracks)
+        spans, overlaps = _untangle([e for e in events if e["ph"] == "X"], tracks)
+        events = [e for e in events if e["ph"] != "X"] + spans
+        # In time order, the outer of two spans that start together first.
+        events.sort(key=lambda e: (e["ts"], -e.get("dur", 0.0)))
+        document = {
+            "traceEvents": [
+                {"ph": "M", "name": "process_name", "pid": self.pid, "args": {"name": "aiodist"}},
+                *_track_names(self.pid, tracks, overlaps),
+                *events,
+            ],
+            "displayTimeUnit": "ms",
+        }
         self.path.write_text(json.dumps(document))
         return self.path
+
+
+# Complete events on one track must nest: trace viewers cannot draw two that overlap
+# otherwise (Perfetto drops the later one). Ends that agree to a nanosecond (the last
+# bits of ts + dur) count as equal.
+_NANOSECOND = 1e-3
+
+
+def _untangle(spans: list[dict], tracks: set[int]) -> tuple[list[dict], dict[int, tuple]]:
+    """``spans`` with every one that cannot nest on its track moved to a track beside
+    it: a replica's waits overlap without nesting when it has several collectives in
+    flight at once (started now and awaited later, or awaited together with
+    asyncio.gather), as do async merge_fns whose replicas did not await the one
+    before. Returns the spans and, for each new track id, (its track, overlap
+    number): the first track where the span nests, 1, 2, ..."""
+    layers: dict[int, list[list[float]]] = {}  # track -> per overlap, the open spans' ends
+    tids: dict[tuple[int, int], int] = {}  # (track, overlap) -> the new track's id
+    # New ids past every lane's (slot 0 of the lane after the last: no other track's)
+    next_tid = (max(tracks, default=0) // LANE_STRIDE + 1) * LANE_STRIDE
+    placed = []
+    for span in sorted(spans, key=lambda e: (e["ts"], -e["dur"])):
+        start, end = span["ts"], span["ts"] + span["dur"]
+        track = span["tid"]
+        stacks = layers.setdefault(track, [])
+        overlap = _first_nesting(stacks, start, end)
+        stacks[overlap].append(end)
+        if overlap:
+            if (track, overlap) not in tids:
+                tids[track, overlap] = next_tid
+                next_tid += 1
+            span = {**span, "tid": tids[track, overlap]}
+        placed.append(span)
+    return placed, {tid: key for key, tid in tids.items()}
+
+
+def _first_nesting(stacks: list[list[float]], start: float, end: float) -> int:
+    """The first of a track's overlap levels (each the ends of its open spans,
+    innermost last) where a span from ``start`` to ``end`` nests: inside the
+    innermost span still open there at ``start``, or where none is; a new level
+    when there is no such one."""
+    for overlap, ends in enumerate(stacks):
+        while ends and ends[-1] <= start + _NANOSECOND:
+            ends.pop()
+        if not ends or end <= ends[-1] + _NANOSECOND:
+            return overlap
+    stacks.append([])
+    return len(stacks) - 1
+
+
+def _track_names(pid: int, tracks: set[int], overlaps: dict[int, tuple]) -> list[dict]:
+    """The metadata events naming each track and setting its place: by lane, each
+    lane's cross-replica track first, the replicas in order, then the input tracks;
+    a track's overlap tracks just below it."""
+    order = []
+    for tid in tracks | set(overlaps):
+        track, overlap = overlaps.get(tid, (tid, 0))
+        lane, slot = divmod(track, LANE_STRIDE)
+        if slot == INPUT_TRACK:
+            name, sort = "input", (1, lane, 0)
+        elif slot == CROSS_REPLICA_TRACK:
+            name, sort = "cross-replica", (0, lane, -1)
+        else:
+            name, sort = f"replica {slot - 1}", (0, lane, slot)
+        notes = ([f"lane {lane}"] if lane else []) + ([f"overlap {overlap}"] if overlap else [])
+        if notes:
+            name += f" ({', '.join(notes)})"
+        order.append(((*sort, overlap), tid, name))
+    events = []
+    for index, (_, tid, name) in enumerate(sorted(order)):
+        events.append(
+            {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}
+        )
+        events.append(
+            {
+                "ph": "M",
+                "name": "thread_sort_index",
+                "pid": pid,
+                "tid": tid,
+                "args": {"sort_index": index},
+            }
+        )
+    return events
 
 
 class trace:

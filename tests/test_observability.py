@@ -629,6 +629,39 @@ async def test_concurrent_runs_are_traced_on_tracks_of_their_own(tmp_path, two):
     }
 
 
+async def test_waits_of_collectives_in_flight_at_once_go_on_a_track_below(tmp_path, two):
+    # Replica 0 has both all-reduces in flight at once; replica 1 joins #0, then #1
+    # later. Replica 0's waits overlapped on its track without nesting (#1 began
+    # inside #0 and ended after it), which Perfetto drops; the later one now goes
+    # on "replica 0 (overlap 1)", just below.
+    async def step():
+        ctx = aiodist.get_replica_context()
+        if rid() == 0:
+            return await asyncio.gather(ctx.all_reduce("sum", 1.0), ctx.all_reduce("sum", 2.0))
+        await asyncio.sleep(0.01)
+        first = await ctx.all_reduce("sum", 1.0)
+        await asyncio.sleep(0.01)
+        return [first, await ctx.all_reduce("sum", 2.0)]
+
+    path = tmp_path / "trace.json"
+    with aiodist.trace(path):
+        await two.run(step)
+    events = _validate(json.loads(path.read_text()))  # spans nest on every track
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    order = {e["tid"]: e["args"]["sort_index"] for e in events if e["name"] == "thread_sort_index"}
+    waits = sorted(
+        (names[e["tid"]], e["name"]) for e in events if e["name"].startswith("wait all_reduce")
+    )
+    assert waits == [
+        ("replica 0", "wait all_reduce #0"),
+        ("replica 0 (overlap 1)", "wait all_reduce #1"),
+        ("replica 1", "wait all_reduce #0"),
+        ("replica 1", "wait all_reduce #1"),
+    ]
+    tracks = [names[tid] for tid in sorted(names, key=order.__getitem__)]
+    assert tracks == ["cross-replica", "replica 0", "replica 0 (overlap 1)", "replica 1"]
+
+
 async def test_a_failed_collective_has_its_wait_span(tmp_path, two):
     # Waits were written when a call completed, so the one that timed out (the one
     # that failed the run) had no span.
