@@ -92,7 +92,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                 "aiodist_strategy (or aiodist_replicas) as an argument, or drop the marker."
             )
         return
-    marker = metafunc.definition.get_closest_marker("aiodist_replicas")
+    marker = _closest_counts(metafunc.definition)
     if marker is None:
         return
     counts = marker.args
@@ -104,6 +104,46 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize(
         "aiodist_replicas", counts, indirect=True, ids=[f"{n}replicas" for n in counts]
     )
+
+
+def _closest_counts(definition: pytest.Function) -> pytest.Mark | None:
+    """The aiodist_replicas marker that sets the test's replica counts, if one does.
+
+    The closest setting wins: a ``@pytest.mark.parametrize("aiodist_replicas", ...)``
+    on a test overrides its module's or class's marker (pytest applies it itself).
+    Both on one node, or a marker inside a parametrize of a module or class (which
+    pytest applies anyway), would parametrize the fixture twice: a usage error."""
+    found: dict[str, Any] = {}  # "marker" / "parametrize" -> the node it is on
+    marker = None
+    for node, mark in definition.iter_markers_with_node():  # the test's own first
+        if mark.name == "aiodist_replicas" and "marker" not in found:
+            found["marker"], marker = node, mark
+        elif mark.name == "parametrize" and "parametrize" not in found and _names_counts(mark):
+            found["parametrize"] = node
+    if marker is None or "parametrize" not in found:
+        return marker
+    marker_node, parametrize_node = found["marker"], found["parametrize"]
+    if _depth(parametrize_node) > _depth(marker_node):  # (one chain: deeper is closer)
+        return None  # the test's (or its class's) parametrize overrides the marker
+    raise pytest.UsageError(
+        f"{definition.nodeid}: @pytest.mark.aiodist_replicas (on {marker_node.nodeid}) "
+        f"and @pytest.mark.parametrize('aiodist_replicas', ...) (on {parametrize_node.nodeid}) "
+        "both set the replica counts; keep one. (A parametrize on a test overrides its "
+        "module's or class's marker.)"
+    )
+
+
+def _names_counts(parametrize: pytest.Mark) -> bool:
+    """Whether a parametrize marker's argument names include aiodist_replicas."""
+    names = parametrize.args[0] if parametrize.args else parametrize.kwargs.get("argnames", ())
+    if isinstance(names, str):
+        names = names.split(",")
+    return any(str(name).strip() == "aiodist_replicas" for name in names)
+
+
+def _depth(node: pytest.Item | pytest.Collector) -> int:
+    """How deep ``node`` is in the collection tree (a test deeper than its class)."""
+    return len(node.listchain())
 
 
 @pytest.fixture

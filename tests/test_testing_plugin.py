@@ -160,6 +160,44 @@ def test_a_marker_on_a_test_without_the_fixtures_is_a_usage_error(pytester):
     result.stdout.no_fnmatch_line("*test_other: @pytest.mark*")
 
 
+def test_a_tests_parametrize_overrides_its_modules_marker(pytester):
+    # The module's marker was applied as well, and pytest stopped collecting the
+    # whole module: "duplicate parametrization of 'aiodist_replicas'".
+    result = run(
+        pytester,
+        """
+        import pytest
+
+        pytestmark = pytest.mark.aiodist_replicas(1, 2)
+
+        async def test_step(aiodist_strategy, aiodist_replicas):
+            assert aiodist_strategy.num_replicas_in_sync == aiodist_replicas
+
+        @pytest.mark.parametrize("aiodist_replicas", [4])
+        async def test_big(aiodist_strategy):
+            assert aiodist_strategy.num_replicas_in_sync == 4
+        """,
+    )
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["*test_big[[]4[]] PASSED*"])
+
+
+def test_a_marker_and_a_parametrize_on_one_test_are_a_usage_error(pytester):
+    result = run(
+        pytester,
+        """
+        import pytest
+
+        @pytest.mark.aiodist_replicas(1, 2)
+        @pytest.mark.parametrize("aiodist_replicas", [4])
+        def test_x(aiodist_strategy):
+            pass
+        """,
+    )
+    assert result.ret != 0
+    result.stdout.fnmatch_lines(["*test_x: @pytest.mark.aiodist_replicas*both set the replica*"])
+
+
 def test_bad_marker_is_a_usage_error(pytester):
     result = run(
         pytester,
