@@ -211,7 +211,8 @@ class Rendezvous:
 
     def __repr__(self) -> str:
         pending = ", ".join(
-            f"{call.label} (arrived {_ids(call.arrivals())})" for call in self._pending.values()
+            f"{call.label} (arrived {_ids(call.arrivals())})"
+            for call in list(self._pending.values())  # (a copy: see pending())
         )
         return f"<Rendezvous replicas={self.num_replicas} pending=[{pending}]>"
 
@@ -389,15 +390,26 @@ class Rendezvous:
 
     def pending(self) -> list[tuple[str, int, list[int], list[int], float]]:
         """(name, call number, arrived, missing, perf_counter() of the first arrival)
-        for every call in flight."""
-        return [self._row(call) for call in self._pending.values() if call.failure is None]
+        for every call in flight.
+
+        Safe from another thread (``strategy.statistics()`` from a monitor, or from
+        another loop's thread): the calls are copied in C, where no other thread
+        can add or remove one (iterating the dict itself in Python raised
+        "dictionary changed size during iteration")."""
+        return [self._row(call) for call in list(self._pending.values()) if call.failure is None]
 
     @staticmethod
     def _missing(call: _Call) -> list[int]:
         return [r for r, future in enumerate(call.futures) if future is None]
 
-    def _row(self, call: _Call) -> tuple[str, int, list[int], list[int], float]:
-        return (call.name, call.number, call.arrivals(), self._missing(call), call.started)
+    @staticmethod
+    def _row(call: _Call) -> tuple[str, int, list[int], list[int], float]:
+        # Arrived and missing from one copy of the futures (made in C): a replica
+        # arriving meanwhile, on another thread, is in exactly one of them.
+        futures = list(call.futures)
+        arrived = [r for r, future in enumerate(futures) if future is not None]
+        missing = [r for r, future in enumerate(futures) if future is None]
+        return (call.name, call.number, arrived, missing, call.started)
 
     def due_stalls(self, now: float) -> tuple[list[tuple[str, int, list, list, float]], float]:
         """Calls in flight whose next stall report is due at ``now`` (perf_counter), as

@@ -409,6 +409,45 @@ async def test_statistics_count_every_kind(two):
     assert (first.runs, first.collectives["all_reduce"], first.bytes_reduced) == (1, 1, 88)
 
 
+async def test_statistics_from_another_thread_while_runs_come_and_go():
+    # A monitor thread (or another loop's) taking snapshots while this loop's runs
+    # add and remove rendezvous calls: statistics() iterated a run's dict of calls in
+    # Python and raised "dictionary changed size during iteration" (a few times in a
+    # thousand snapshots here). Every snapshot must be whole: each replica either
+    # arrived or missing.
+    strategy = aiodist.MirroredStrategy(cpu_devices(4))
+    stop, errors, snapshots = threading.Event(), [], []
+
+    def monitor():
+        while not stop.is_set() or not snapshots:
+            try:
+                stats = strategy.statistics()
+                for call in stats.rendezvous_in_flight:
+                    assert sorted(call.arrived + call.missing) == [0, 1, 2, 3], call
+            except Exception as exc:
+                errors.append(exc)
+            snapshots.append(None)
+
+    async def step():
+        ctx = aiodist.get_replica_context()
+        for i in range(10):
+            await ctx.all_reduce("sum", float(i))
+            await asyncio.sleep(0)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    thread = threading.Thread(target=monitor)
+    thread.start()
+    try:
+        for _ in range(4):
+            await asyncio.gather(*(strategy.run(step) for _ in range(8)))
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert not errors, f"{len(errors)} of {len(snapshots)} snapshots failed: {errors[0]!r}"
+
+
 async def test_statistics_of_the_default_strategy_count_its_collectives():
     # Outside any scope, the default replica context's collectives complete at once;
     # the default strategy counts them as a strategy counts its runs' collectives.
