@@ -47,7 +47,7 @@ from ._backends import backend_for, host_array, is_cupy_array
 from ._checks import member, refuse_awaitables
 from ._devices import HOST as _HOST
 from ._devices import Device
-from ._errors import ContextError, InvalidArgumentError
+from ._errors import AiodistError, ContextError, InvalidArgumentError
 from ._ops import ReduceOp
 from ._replica_context import _keywords, _positional
 from ._values import DistributedValues, Mirrored, PerReplica, _component, select_replica
@@ -120,6 +120,42 @@ def _new_value(xp: Any, kind: str, old: Any, value: Any, where: str) -> Any:
             f"dtype {old.dtype}; cast it first."
         )
     return _frozen(value.astype(old.dtype, copy=True))
+
+
+def _not_numbers(value: Any) -> str | None:
+    """Why ``value`` is not a number or an array of numbers (None, a string, a ragged
+    list, ...), or None when it is one. Asked only once a write has failed, so the
+    usual write tests nothing; a failure with values of numbers is someone else's
+    (an ``accumulation_fn``, say) and is raised as it is."""
+    values = value._values if isinstance(value, DistributedValues) else (value,)
+    for part in values:
+        try:
+            dtype = host_array(part).dtype
+        except (TypeError, ValueError):  # a ragged list: no one array
+            return "its lists nest unevenly"
+        if dtype.kind not in "biufc":
+            return f"dtype {dtype}"
+    return None
+
+
+def _refuse_non_numbers(where: str, value: Any, dtype: Any, error: Exception) -> None:
+    """Raise ``InvalidArgumentError`` naming ``value`` when a write of it failed with
+    ``error`` (NumPy's or Python's own words) because it is not numbers; return (the
+    caller re-raises ``error``) for any other failure."""
+    if isinstance(error, AiodistError):
+        return
+    why = _not_numbers(value)
+    if why is not None:
+        raise InvalidArgumentError(
+            f"{where}: value={_short(value)} is not a number or an array of numbers "
+            f"({why}); expected numbers that cast to the variable's dtype {dtype}."
+        ) from None
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut short for a message."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:79]}…"
 
 
 def _integer_sums(arrays: Sequence[Any], n: int, xp: Any = np) -> tuple[Any, Any]:
@@ -221,9 +257,13 @@ class VariableCopy:
     def _write(self, kind: str, value: Any) -> VariableCopy:
         variable = self._variable
         device = variable._devices[self._index]
-        value = backend_for(device).asarray(value, device)
         where = f"{variable._name}.{kind} (copy on {device})"
-        variable._values[self._index] = _update_value(kind, self.value(), value, where)
+        try:
+            placed = backend_for(device).asarray(value, device)
+            variable._values[self._index] = _update_value(kind, self.value(), placed, where)
+        except (TypeError, ValueError) as error:
+            _refuse_non_numbers(where, value, variable.dtype, error)
+            raise
         return self
 
     def assign(self, value: Any) -> VariableCopy:
@@ -477,17 +517,29 @@ class Variable:
     async def assign(self, value: Any) -> Variable:
         """Set the value (see the module docs for how replicas combine)."""
         self._require_own_strategy()
-        return await self._write("assign", value)
+        try:
+            return await self._write("assign", value)
+        except (TypeError, ValueError) as error:
+            _refuse_non_numbers(f"{self._name}.assign", value, self.dtype, error)
+            raise
 
     async def assign_add(self, value: Any) -> Variable:
         """Add to the value (see the module docs for how replicas combine)."""
         self._require_own_strategy()
-        return await self._write("assign_add", value)
+        try:
+            return await self._write("assign_add", value)
+        except (TypeError, ValueError) as error:
+            _refuse_non_numbers(f"{self._name}.assign_add", value, self.dtype, error)
+            raise
 
     async def assign_sub(self, value: Any) -> Variable:
         """Subtract from the value (see the module docs for how replicas combine)."""
         self._require_own_strategy()
-        return await self._write("assign_sub", value)
+        try:
+            return await self._write("assign_sub", value)
+        except (TypeError, ValueError) as error:
+            _refuse_non_numbers(f"{self._name}.assign_sub", value, self.dtype, error)
+            raise
 
     def _require_own_strategy(self) -> None:
         """TF's rule: a strategy's variable is written under that strategy (its scope,
@@ -572,13 +624,17 @@ class MirroredVariable(Variable):
 
         def merge_fn(strategy: Any, per_replica: Any) -> None:
             parts = _replica_values(strategy, per_replica)
-            if self._on_streams:
-                # The one value every copy takes, as _write_every_copy gives it, less
-                # _per_copy's copy to the host: on GPUs the aggregate stays there.
-                aggregate = self._aggregate_on_device(kind, parts)
-                self._write_copies(kind, [aggregate] * len(self._values))
-            else:
-                self._write_every_copy(kind, self._aggregate(kind, parts))
+            try:
+                if self._on_streams:
+                    # The one value every copy takes, as _write_every_copy gives it, less
+                    # _per_copy's copy to the host: on GPUs the aggregate stays there.
+                    aggregate = self._aggregate_on_device(kind, parts)
+                    self._write_copies(kind, [aggregate] * len(self._values))
+                else:
+                    self._write_every_copy(kind, self._aggregate(kind, parts))
+            except (TypeError, ValueError) as error:
+                self._refuse_non_numbers(kind, parts, error)
+                raise
 
         if self._strategy._world is not None:  # across workers: aggregate globally
 
@@ -589,6 +645,24 @@ class MirroredVariable(Variable):
         merge_fn._aiodist_key = (id(self), kind)  # type: ignore[attr-defined]
         await _context.get_replica_context().merge_call(merge_fn, args=(value,))
         return self
+
+    def _refuse_non_numbers(self, kind: str, parts: list, error: Exception) -> None:
+        """``_refuse_non_numbers`` for a write in replica context, whose values
+        (``parts``, one per local replica) were aggregated in a merge_fn: the
+        message, raised in every replica, names the replicas whose values are not
+        numbers."""
+        if isinstance(error, AiodistError):
+            return
+        first = self._strategy._replica_offset
+        bad = [(first + i, part, _not_numbers(part)) for i, part in enumerate(parts)]
+        bad = [(i, part, why) for i, part, why in bad if why is not None]
+        if bad:
+            seen = "; ".join(f"replica {i}: {_short(part)} ({why})" for i, part, why in bad)
+            raise InvalidArgumentError(
+                f"{self._name}.{kind}() in replica context: not a number or an array of "
+                f"numbers ({seen}); every replica must give numbers that cast to the "
+                f"variable's dtype {self.dtype}."
+            ) from None
 
     async def _aggregate_across(self, kind: str, per_replica: Any) -> Any:
         """The aggregate of every worker's replicas' values (multi-worker strategies)."""

@@ -128,6 +128,44 @@ async def test_cross_replica_writes_every_copy(strategy):
         np.testing.assert_array_equal(copy, [4, 5])  # failed writes change nothing
 
 
+@pytest.mark.parametrize("value", [None, "text", [1.0, [2.0]]], ids=["None", "str", "ragged"])
+async def test_writes_of_values_that_are_not_numbers_name_them(two, value):
+    """A write of None, a string or a ragged list raised NumPy's or Python's own words
+    ("unsupported operand type(s) for +", "ufunc 'add' did not contain a loop",
+    "inhomogeneous shape"), in every context; now an InvalidArgumentError naming the
+    value (in replica context: the replicas whose values are not numbers)."""
+    with two.scope():
+        mirrored = aiodist.Variable(np.zeros(2), aggregation="mean")
+        on_read = aiodist.Variable(np.zeros(2), aggregation="sum", synchronization="ON_READ")
+    plain = aiodist.Variable(np.zeros(2))
+    not_numbers = r"is not a number or an array of numbers.*expected numbers that cast to"
+    for variable in (mirrored, plain):
+        # (assign of None or a string already said "a value of dtype ... cannot be written")
+        for write in (variable.assign_add, variable.assign_sub):
+            with pytest.raises(aiodist.InvalidArgumentError, match=r"value=.*" + not_numbers):
+                await write(value)
+    with pytest.raises(aiodist.InvalidArgumentError, match=not_numbers):
+        await two.extended.update(mirrored, lambda copy: copy.assign_add(value))
+
+    async def step(variable):
+        # Replica 1's value is the bad one (a list on both: merge_call wants one nesting).
+        mine = 1.0 if rid() == 0 and not isinstance(value, list) else value
+        await variable.assign_add(mine)
+
+    with pytest.raises(
+        aiodist.InvalidArgumentError,
+        match=r"assign_add\(\) in replica context: not a number or an array of numbers "
+        r"\(.*replica 1: .*\); every replica must give numbers",
+    ):
+        await two.run(step, args=(mirrored,))
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"\(copy on .*" + not_numbers):
+        await two.run(step, args=(on_read,))
+    for variable in (mirrored, plain):  # failed writes change nothing
+        for copy in copies(two, variable):
+            np.testing.assert_array_equal(copy, [0.0, 0.0])
+    np.testing.assert_array_equal(copies(two, on_read)[1], [0.0, 0.0])  # (replica 0's: +1)
+
+
 async def test_cross_replica_writes_take_a_mirrored_value_per_copy(strategy, num_replicas):
     """TF's rule: in cross-replica context a variable takes one value or a Mirrored one
     (reduce_to(..., destinations=v) gives exactly that); a PerReplica one is refused."""
