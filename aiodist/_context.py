@@ -30,7 +30,7 @@ import contextvars
 import threading
 from typing import TYPE_CHECKING, Any
 
-from ._errors import ContextError
+from ._errors import ContextError, InvalidArgumentError
 
 if TYPE_CHECKING:
     from ._replica_context import ReplicaContext
@@ -147,6 +147,15 @@ def experimental_set_strategy(strategy: Strategy | None) -> None:
             "experimental_set_strategy() was called inside a strategy scope or replica "
             "function; leave the `with strategy.scope():` block first, or use the scope "
             "instead of experimental_set_strategy()."
+        )
+    from ._strategy import Strategy  # (here: strategies are a layer above contexts)
+
+    if strategy is not None and not isinstance(strategy, Strategy):
+        # Taken as it is, it became what get_strategy() returns, and failed later
+        # where it was used as one (an AttributeError in Variable(), say).
+        raise InvalidArgumentError(
+            f"experimental_set_strategy(strategy={strategy!r}); expected an aiodist "
+            "strategy (e.g. aiodist.MirroredStrategy([...])), or None for the default."
         )
     if strategy is not None and strategy is _default.get("strategy"):
         strategy = None

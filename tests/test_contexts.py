@@ -266,6 +266,20 @@ def test_experimental_set_strategy(two):
     assert not aiodist.has_strategy()
 
 
+@pytest.mark.parametrize(
+    "bad", [5, "cpu:0", aiodist.MirroredStrategy, aiodist.get_replica_context()]
+)
+def test_experimental_set_strategy_refuses_what_is_not_a_strategy(bad):
+    """Anything was taken: get_strategy() then returned it, and the next use failed
+    deep inside (Variable(): "AttributeError: 'str' object has no attribute '_world'")."""
+    with pytest.raises(
+        aiodist.InvalidArgumentError, match=r"strategy=.*expected an aiodist strategy"
+    ):
+        aiodist.experimental_set_strategy(bad)
+    assert not aiodist.has_strategy()
+    aiodist.Variable(1.0)  # still the default strategy's
+
+
 def test_replica_context_repr(two):
     with two.scope():
         assert aiodist.get_replica_context() is None
