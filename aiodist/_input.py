@@ -603,18 +603,26 @@ class _Sources:
         return any(source.is_async for source in self._sources)
 
     async def next_shards(self, num_replicas: int) -> tuple[bool, list | None]:
+        # None below stands for "this replica's source has run out", so an element
+        # that is None is refused as it comes: it was taken for the end of a
+        # PER_REPLICA source (an empty batch in its place, or the end of the
+        # iteration), and PER_WORKER raised "coroutine raised StopIteration".
         if len(self._sources) == 1:  # PER_WORKER: replicas take consecutive elements
             shards = []
-            for _ in range(num_replicas):
+            for replica in range(num_replicas):
                 more, element = await self._sources[0].next()
                 if not more:
                     break
+                if element is None:
+                    raise _none_element(replica)
                 # Copied before the next element is made: the source may refill one buffer.
                 shards.append(_nest.map_structure(_copy_of_array, element))
         else:  # PER_REPLICA: one element from each replica's own source
             shards = []
-            for source in self._sources:
+            for replica, source in enumerate(self._sources):
                 more, element = await source.next()
+                if more and element is None:
+                    raise _none_element(replica)
                 shards.append(element if more else None)
             if all(shard is None for shard in shards):
                 shards = []
@@ -645,6 +653,14 @@ class _Sources:
                 error = error or exc
         if error is not None:
             raise error
+
+
+def _none_element(replica: int) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        "distribute_datasets_from_function: the dataset from dataset_fn yielded None "
+        f"(the element for local replica {replica}); expected an element: an array, or "
+        "a nested structure (list, tuple, dict) of them."
+    )
 
 
 def from_function(

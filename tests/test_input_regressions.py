@@ -209,6 +209,36 @@ async def test_from_function_elements_need_no_batch_axis_unless_one_is_padded(tw
         [e async for e in dataset]
 
 
+@pytest.mark.parametrize("mode", ["PER_WORKER", "PER_REPLICA"])
+@pytest.mark.parametrize("how", ["async for", "for"])
+async def test_from_function_refuses_an_element_that_is_none(two, mode, how):
+    """None also meant "this replica's source ran out": an element that was None
+    raised "RuntimeError: coroutine raised StopIteration" (PER_WORKER), or became an
+    empty batch, or ended the iteration when every replica's was None (PER_REPLICA)."""
+    options = aiodist.InputOptions(experimental_replication_mode=mode)
+
+    def dataset_fn(context):
+        if mode == "PER_WORKER":  # the second step's element for replica 0
+            return [np.ones(2), np.ones(2), None, np.ones(2)]
+        if context.input_pipeline_id == 1:  # replica 1's second element
+            return [np.ones(2), None, np.ones(2)]
+        return [np.ones(2)] * 3
+
+    dataset = two.distribute_datasets_from_function(dataset_fn, options)
+    with pytest.raises(
+        aiodist.InvalidArgumentError,
+        match=r"yielded None \(the element for local replica \d\); expected an element",
+    ):
+        if how == "for":
+            list(dataset)
+        else:
+            [batch async for batch in dataset]
+    for everyones_none in ([None, None], [None]):
+        dataset = two.distribute_datasets_from_function(lambda c, e=everyones_none: e, options)
+        with pytest.raises(aiodist.InvalidArgumentError, match=r"yielded None"):
+            [batch async for batch in dataset]
+
+
 async def test_aclose_raises_what_closing_the_source_raised(two):
     """aclose() waited for the producer with gather(return_exceptions=True) and
     dropped the error of the source's own cleanup."""
