@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from . import _context
-from ._arrays import check_reducible, gather_axis, leaf_text, mean_of_sum, mean_operand
+from ._arrays import as_axis, check_reducible, gather_axis, leaf_text, mean_of_sum, mean_operand
 from ._backends import backend_for, cpu_backend, is_cupy_array
 from ._checks import whole_number
 from ._devices import HOST, Device, parse_device
@@ -480,6 +480,7 @@ class CrossDeviceOps:
     ) -> Any:
         """Concatenate the components of ``per_replica_value`` along ``axis``."""
         _context.require_cross_replica(None, "CrossDeviceOps.gather")
+        axis = as_axis(axis, "gather")  # (axis=None or "0" failed in a comparison)
         devices = resolve_destinations(destinations)
         refuse_structure(per_replica_value, "CrossDeviceOps.gather")
         arrays = _components(per_replica_value)

@@ -387,6 +387,18 @@ async def test_cross_device_ops_batch_reduce_takes_any_iterable_of_pairs():
             await ops.batch_reduce("sum", bad)
 
 
+@pytest.mark.parametrize("axis", [None, "0", 1.0, True])
+async def test_cross_device_ops_gather_refuses_an_axis_that_is_not_an_int(axis):
+    """CrossDeviceOps.gather took its axis unchecked (strategy.gather checks it): None
+    or "0" failed in a comparison ("TypeError: '<=' not supported between instances of
+    'int' and 'NoneType'"), and 1.0 or True were "out of range" for a rank-1 value."""
+    ops = aiodist.ReductionToOneDevice()
+    value = aiodist.PerReplica([np.arange(2), np.arange(3)])
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"gather: axis=.*; expected an int"):
+        await ops.gather(value, "cpu:0", axis)
+    np.testing.assert_array_equal(await ops.gather(value, "cpu:0", np.int64(0)), [0, 1, 0, 1, 2])
+
+
 async def test_cross_device_ops_broadcast_never_shares_the_callers_array():
     ops = aiodist.ReductionToOneDevice()
     for destinations in ("cpu:0", ["cpu:0", "cpu:1"]):
