@@ -320,7 +320,13 @@ class Batcher:
                 "the batcher was started on another event loop; call `await batcher.start()` "
                 "on this one (after stop() on the other, if it is still running)."
             )
-        rows = np.asarray(rows)
+        try:
+            rows = np.asarray(rows)
+        except (TypeError, ValueError) as exc:  # rows of different lengths: NumPy's words only
+            raise InvalidArgumentError(
+                f"submit: rows={_short(rows)} is not one array ({exc}); expected a 2-D "
+                "array with at least one row, every row of one length."
+            ) from None
         if rows.ndim != 2 or len(rows) == 0:
             raise InvalidArgumentError(
                 f"submit: rows of shape {rows.shape}; expected a 2-D array with at least one row."
@@ -508,3 +514,9 @@ class Batcher:
         # (Replicas given no rows, when the batch has fewer rows than replicas, add
         # none: their empty outputs left out, whatever shape the step gives them.)
         return np.concatenate([p for p, shard in zip(parts, shards, strict=True) if len(shard)])
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut short for a message."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:79]}…"

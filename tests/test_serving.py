@@ -823,6 +823,22 @@ async def test_oversized_request_is_invalid_not_overloaded(two):
     await batcher.stop()
 
 
+async def test_rows_of_different_lengths_are_invalid_naming_them(two):
+    """np.asarray's ValueError ("setting an array element with a sequence. The
+    requested array has an inhomogeneous shape ...") reached the caller as it was."""
+    batcher = Batcher(two, linear)
+    await batcher.start()
+    with pytest.raises(
+        aiodist.InvalidArgumentError,
+        match=r"submit: rows=\[\[1.0, 2.0, 3.0, 4.0\], \[1.0\]\] is not one array "
+        r".*every row of one length",
+    ):
+        await batcher.submit([[1.0, 2.0, 3.0, 4.0], [1.0]])
+    assert batcher.queued_rows == 0
+    np.testing.assert_array_equal(await batcher.submit(np.ones((1, 4))), np.ones((1, 4)) @ W)
+    await batcher.stop()
+
+
 async def test_a_batcher_left_serving_on_a_closed_loop_serves_on_this_one(two):
     # A test that never reached stop(): the next test's loop must not hang in submit.
     batcher = Batcher(two, linear)
