@@ -50,6 +50,7 @@ import pytest
 
 from . import _nest
 from ._backends import visible_gpu_count
+from ._checks import whole_number
 from ._errors import DeviceError, InvalidArgumentError
 from ._input import split_batch
 from ._ops import ReduceOp
@@ -67,6 +68,9 @@ __all__ = [
 
 def cpu_strategy(num_replicas: int) -> MirroredStrategy:
     """A ``MirroredStrategy`` on ``cpu:0`` … ``cpu:{num_replicas - 1}``."""
+    # (0 said "devices=[] names no device", 2.0 "'float' object cannot be interpreted
+    # as an integer", and True made one replica.)
+    whole_number(num_replicas, "cpu_strategy: num_replicas", 1)
     return MirroredStrategy([f"cpu:{i}" for i in range(num_replicas)])
 
 

@@ -12,7 +12,7 @@ import pytest
 
 import aiodist
 from aiodist._backends import visible_gpu_count
-from aiodist.testing import assert_same_on_replicas
+from aiodist.testing import assert_same_on_replicas, cpu_strategy
 
 pytest_plugins = ["pytester"]
 
@@ -277,6 +277,15 @@ async def test_assert_same_on_replicas_names_what_combine_and_replicas_take(
 
     with pytest.raises(aiodist.InvalidArgumentError, match=expected):
         await assert_same_on_replicas(predict, np.ones((4, 2)), **{keyword: value})
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0, None, "2"])
+def test_cpu_strategy_names_a_bad_replica_count(bad):
+    with pytest.raises(
+        aiodist.InvalidArgumentError, match=r"cpu_strategy: num_replicas=.*; expected an int >= 1"
+    ):
+        cpu_strategy(bad)
+    assert cpu_strategy(3).num_replicas_in_sync == 3
 
 
 async def test_assert_same_on_replicas_compares_shapes_and_structures():
