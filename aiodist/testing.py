@@ -42,6 +42,7 @@ Example (a test module of yours)::
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -229,6 +230,19 @@ async def assert_same_on_replicas(
             f"assert_same_on_replicas: combine={combine!r}; expected 'concat', 'first', or "
             "a reduce op (a ReduceOp, or 'sum', 'mean', 'min', 'max', 'product' in any case)."
         )
+    for name, tolerance in (("rtol", rtol), ("atol", atol)):
+        # (A string failed in NumPy's message formatting, "Unknown format code 'g'";
+        # NaN, a negative or an infinite tolerance was taken, with a RuntimeWarning
+        # at most, and infinity passed any answer; True was a tolerance of 1.)
+        if tolerance is not None and (
+            isinstance(tolerance, bool)
+            or not isinstance(tolerance, numbers.Real)
+            or not 0 <= tolerance < math.inf
+        ):
+            raise InvalidArgumentError(
+                f"assert_same_on_replicas: {name}={tolerance!r}; expected a finite number "
+                ">= 0 (0: exact), or None for the default."
+            )
     reference, reference_count = None, None
     scale = _magnitude(batch) if atol is None and rtol is None else 0.0
     for count in replicas:

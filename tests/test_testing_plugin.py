@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import math
 import os
 from pathlib import Path
 
@@ -262,16 +263,22 @@ async def test_assert_same_on_replicas_combine_modes():
 
 _COMBINE_EXPECTED = r"combine=.*; expected 'concat', 'first', or a reduce op"
 _REPLICAS_EXPECTED = r"replicas=.*; expected a sequence of one or more replica counts >= 1"
+_TOLERANCE_EXPECTED = r"tol=.*; expected a finite number >= 0 \(0: exact\), or None"
+_TOLERANCES = (-1e-6, math.nan, math.inf, True, "1e-6", [1e-6])
 
 
 @pytest.mark.parametrize(
     ("keyword", "value", "expected"),
     [("combine", v, _COMBINE_EXPECTED) for v in ("concatenate", "First", "avg", None)]
-    + [("replicas", v, _REPLICAS_EXPECTED) for v in ((), (0, 2), (1, 2.0), (True,), 4, "12")],
+    + [("replicas", v, _REPLICAS_EXPECTED) for v in ((), (0, 2), (1, 2.0), (True,), 4, "12")]
+    + [(k, v, _TOLERANCE_EXPECTED) for k in ("rtol", "atol") for v in _TOLERANCES],
 )
 async def test_assert_same_on_replicas_names_what_combine_and_replicas_take(
     keyword, value, expected
 ):
+    """(And rtol and atol: a string failed in NumPy's formatting of its message, and
+    NaN, a negative or an infinite tolerance were taken; infinity passed anything.)"""
+
     async def predict(rows):
         return rows * 2.0
 
