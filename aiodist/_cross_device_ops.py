@@ -215,6 +215,13 @@ def _pack_indices(
     return [group for groups in packs.values() for group in groups]
 
 
+_NO_REDUCTION = (
+    "CrossDeviceOps is the base class, which implements no reduction; expected "
+    "aiodist.ReductionToOneDevice() or aiodist.NcclAllReduce() (or a subclass that "
+    "implements _reduce_arrays)."
+)
+
+
 class CrossDeviceOps:
     """Base class of the ways to reduce, broadcast and gather across devices.
 
@@ -231,11 +238,15 @@ class CrossDeviceOps:
 
     def _check_devices(self, devices: Sequence[Device]) -> None:
         """Raise ``InvalidArgumentError`` if these ops cannot serve ``devices``."""
+        # (Checked when a strategy is made: the base class itself was taken, and its
+        # first collective raised a NotImplementedError with no message.)
+        if type(self)._reduce_arrays is CrossDeviceOps._reduce_arrays:
+            raise InvalidArgumentError(f"cross_device_ops={self!r}; {_NO_REDUCTION}")
 
     # -- primitives ----------------------------------------------------------------
 
     def _reduce_arrays(self, op: ReduceOp, arrays: Sequence[Any], target: Device) -> Any:
-        raise NotImplementedError
+        raise NotImplementedError(f"{self!r} cannot reduce: {_NO_REDUCTION}")
 
     def _gather_device(self, destinations: Sequence[Device]) -> Device:
         return destinations[0]

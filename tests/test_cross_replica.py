@@ -399,6 +399,20 @@ async def test_cross_device_ops_gather_refuses_an_axis_that_is_not_an_int(axis):
     np.testing.assert_array_equal(await ops.gather(value, "cpu:0", np.int64(0)), [0, 1, 0, 1, 2])
 
 
+async def test_the_cross_device_ops_base_class_is_refused_when_the_strategy_is_made():
+    """MirroredStrategy(cross_device_ops=aiodist.CrossDeviceOps()) was taken, and the
+    first collective raised a NotImplementedError without a message."""
+    with pytest.raises(
+        aiodist.InvalidArgumentError,
+        match=r"cross_device_ops=CrossDeviceOps\(\); CrossDeviceOps is the base class.*"
+        r"expected aiodist.ReductionToOneDevice\(\)",
+    ):
+        aiodist.MirroredStrategy(["cpu:0", "cpu:1"], cross_device_ops=aiodist.CrossDeviceOps())
+    value = aiodist.PerReplica([np.ones(2), np.ones(2)])
+    with pytest.raises(NotImplementedError, match=r"CrossDeviceOps\(\) cannot reduce: "):
+        await aiodist.CrossDeviceOps().reduce("sum", value, "cpu:0")
+
+
 async def test_cross_device_ops_broadcast_never_shares_the_callers_array():
     ops = aiodist.ReductionToOneDevice()
     for destinations in ("cpu:0", ["cpu:0", "cpu:1"]):
