@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from functools import partial
 from typing import Any
 
@@ -108,6 +108,14 @@ def _parse_devices(devices: Any, name: str = "devices") -> tuple[Device, ...]:
         raise DeviceError(
             f"{name}={devices!r} is a single device; expected a list of device strings, "
             f"e.g. [{str(devices)!r}] (or use OneDeviceStrategy)."
+        )
+    if isinstance(devices, bytes | bytearray | Set | Mapping):
+        # Iterated, bytes gave ints ("device 99 is a int"), and a set or a dict's keys
+        # an order that is not the caller's (a set of strings: another each run), so
+        # replicas landed on devices in no given order.
+        raise DeviceError(
+            f"{name}={devices!r} is a {type(devices).__name__}; expected a list of device "
+            "strings, in replica order, such as ['cpu:0', 'cpu:1'] or ['GPU:0', 'GPU:1']."
         )
     try:
         parsed = tuple(parse_device(d) for d in devices)

@@ -108,6 +108,22 @@ def test_single_string_instead_of_list():
         aiodist.MirroredStrategy("cpu:0, cpu:1")
 
 
+@pytest.mark.parametrize(
+    "devices", [b"cpu:0", bytearray(b"cpu:0"), {"cpu:0", "cpu:1"}, {"cpu:0": 1}, frozenset()]
+)
+def test_device_collections_without_an_order_are_refused(devices):
+    """bytes were iterated as ints ("device 99 is a int"); a set or a dict was taken,
+    its replicas in an order the caller never gave (a set's: another each run)."""
+    with pytest.raises(
+        aiodist.DeviceError,
+        match=r"devices=.* is a (bytes|bytearray|set|dict|frozenset); expected a list of "
+        r"device strings, in replica order",
+    ):
+        aiodist.MirroredStrategy(devices)
+    generated = aiodist.MirroredStrategy(f"cpu:{i}" for i in (1, 0))  # an order: taken
+    assert generated.extended.worker_devices == ("/device:CPU:1", "/device:CPU:0")
+
+
 @pytest.mark.skipif(HAS_CUPY, reason="checks the message given when CuPy is not installed")
 def test_gpu_without_cupy_says_how_to_install():
     with pytest.raises(aiodist.DeviceError) as info:
