@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from . import _nest
-from ._checks import seconds, whole_number
+from ._checks import not_callable, seconds, whole_number
 from ._errors import AiodistError, InvalidArgumentError
 from ._input import split_batch
 from ._strategy import Strategy
@@ -158,9 +158,10 @@ class Batcher:
                 "(e.g. aiodist.MirroredStrategy)."
             )
         if not callable(step_fn):
-            raise InvalidArgumentError(
+            raise not_callable(
+                step_fn,
                 f"Batcher: step_fn={step_fn!r} is not callable; expected "
-                "`async def step_fn(rows)` returning one output row per input row."
+                "`async def step_fn(rows)` returning one output row per input row.",
             )
         self.strategy = strategy
         self.step_fn = step_fn

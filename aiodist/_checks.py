@@ -27,6 +27,19 @@ def refuse_awaitables(values: Iterable[Any], message: Callable[[], str]) -> None
         raise InvalidArgumentError(message())
 
 
+def not_callable(value: Any, message: str) -> InvalidArgumentError:
+    """``InvalidArgumentError(message)`` for ``value``, which is not callable. A
+    coroutine object (``fn()`` passed where ``fn`` was meant) is closed, so Python
+    does not warn that it was never awaited, and the message says what to pass."""
+    if inspect.iscoroutine(value):
+        value.close()
+        message += (
+            " It is a coroutine object, what calling an async function gives: pass the "
+            "function itself (fn), not a call of it (fn())."
+        )
+    return InvalidArgumentError(message)
+
+
 def whole_number(value: Any, name: str, minimum: int, hint: str = "") -> int:
     """``value`` if it is an int (not a bool) of at least ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

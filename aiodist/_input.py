@@ -53,7 +53,7 @@ import numpy as np
 
 from . import _nest, _trace
 from ._backends import is_cupy_array
-from ._checks import member, options_or_default, refuse_awaitables, whole_number
+from ._checks import member, not_callable, options_or_default, refuse_awaitables, whole_number
 from ._errors import InvalidArgumentError
 from ._values import regroup_wrapping_every_leaf
 
@@ -668,9 +668,10 @@ def from_function(
 ) -> DistributedDataset:
     """``strategy.distribute_datasets_from_function``."""
     if not callable(dataset_fn):
-        raise InvalidArgumentError(
+        raise not_callable(
+            dataset_fn,
             f"distribute_datasets_from_function: dataset_fn={dataset_fn!r} is not callable; "
-            "expected a function taking an InputContext and returning an iterable."
+            "expected a function taking an InputContext and returning an iterable.",
         )
     options = options_or_default(InputOptions, options)
     n = strategy.num_replicas_in_sync  # every worker's replicas

@@ -27,6 +27,7 @@ import numpy as np
 from . import _context, _nest, _trace
 from ._arrays import as_axis, check_reducible, gather_axis, leaf_text, structure_text
 from ._backends import cpu_backend
+from ._checks import not_callable
 from ._errors import ContextError, InvalidArgumentError
 from ._ops import _BY_KEY, ReduceOp
 from ._options import CommunicationOptions
@@ -219,9 +220,10 @@ class ReplicaContext:
             or merge_fn.__qualname__ is not name
         ):
             if not callable(merge_fn):
-                raise InvalidArgumentError(
+                raise not_callable(
+                    merge_fn,
                     f"merge_call: merge_fn={merge_fn!r} is not callable; expected a "
-                    "function taking (strategy, *args, **kwargs)."
+                    "function taking (strategy, *args, **kwargs).",
                 )
             signature = _merge_signature(merge_fn)
         if type(args) is not tuple:

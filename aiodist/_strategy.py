@@ -20,7 +20,7 @@ import numpy as np
 from . import _context, _nest, _stall, _variables
 from ._arrays import as_axis, check_reducible, mean_of_sum
 from ._backends import backend_for, cpu_backend, is_cupy_array, is_cupy_type, visible_gpu_count
-from ._checks import options_or_default, refuse_awaitables
+from ._checks import not_callable, options_or_default, refuse_awaitables
 from ._cross_device_ops import (
     CrossDeviceOps,
     NcclAllReduce,
@@ -401,7 +401,7 @@ class Strategy:
         if current is not None and current is not self:
             raise _context._mixing(current, self)
         if not callable(fn):
-            raise InvalidArgumentError(f"run: fn={fn!r} is not callable.")
+            raise not_callable(fn, f"run: fn={fn!r} is not callable.")
         if type(args) is not tuple:  # the usual tuple needs no check (once per step)
             args = _positional(args, "run")
         kwargs = _EMPTY if kwargs is None else _keywords(kwargs, "run")

@@ -44,7 +44,7 @@ import numpy as np
 from . import _context
 from ._arrays import mean_of_sum, mean_operand
 from ._backends import backend_for, host_array, is_cupy_array
-from ._checks import member, refuse_awaitables
+from ._checks import member, not_callable, refuse_awaitables
 from ._devices import HOST as _HOST
 from ._devices import Device
 from ._errors import AiodistError, ContextError, InvalidArgumentError
@@ -909,7 +909,7 @@ async def update(
             f"update: var={variable!r}; expected an aiodist.Variable made in this strategy's scope."
         )
     if not callable(fn):
-        raise InvalidArgumentError(f"update: fn={fn!r} is not callable.")
+        raise not_callable(fn, f"update: fn={fn!r} is not callable.")
     args = _positional(args, "update")
     kwargs = _keywords(kwargs, "update")
     strategy = variable._strategy

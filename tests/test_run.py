@@ -584,3 +584,45 @@ async def test_one_device_strategy_returns_plain_value():
     devices, value = await strategy.run(fn)
     assert devices == ("/device:CPU:3",)
     np.testing.assert_array_equal(value, [1.0, 3.0])
+
+
+async def test_a_coroutine_object_passed_for_a_function_is_named_and_closed(two):
+    # fn() passed where fn was meant: "is not callable" said what, not why, and the
+    # coroutine was left for Python to warn about as never awaited.
+    async def fn():
+        return 1
+
+    async def merge_fn(strategy):
+        return 1
+
+    async def dataset_fn(ctx):
+        return [1]
+
+    made = []
+
+    def coroutine(function, *args):
+        made.append(function(*args))
+        return made[-1]
+
+    async def in_replica():
+        await aiodist.get_replica_context().merge_call(coroutine(merge_fn, two))
+
+    hint = r"is not callable.*a coroutine object.*pass the function itself \(fn\), not a call"
+    with pytest.raises(aiodist.InvalidArgumentError, match=hint):
+        await two.run(coroutine(fn))
+    with pytest.raises(aiodist.InvalidArgumentError, match=hint):
+        await two.run(in_replica)
+    with pytest.raises(aiodist.InvalidArgumentError, match=hint):
+        two.distribute_datasets_from_function(coroutine(dataset_fn, None))
+    with two.scope():
+        v = aiodist.Variable(0.0)
+        with pytest.raises(aiodist.InvalidArgumentError, match=hint):
+            await two.extended.update(v, coroutine(fn))
+    from aiodist.serving import Batcher
+
+    with pytest.raises(aiodist.InvalidArgumentError, match=hint):
+        Batcher(two, coroutine(fn))
+    # Closed (one per replica for merge_call), so none is left to be reported as
+    # never awaited.
+    assert len(made) == 6
+    assert [c.cr_frame for c in made] == [None] * 6
