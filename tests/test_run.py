@@ -28,6 +28,15 @@ async def _merge_replica_ids():
     return await ctx.merge_call(_reduce_in_merge_fn, (np.float64(ctx.replica_id_in_sync_group),))
 
 
+async def _wait_until_cancelled(cancelled: list, rid: int) -> None:
+    """Wait forever; once cancelled, note ``rid`` in ``cancelled`` and re-raise."""
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        cancelled.append(rid)
+        raise
+
+
 def _own_tasks() -> set[asyncio.Task]:
     return {t for t in asyncio.all_tasks() if t.get_name().startswith("aiodist-replica")}
 
@@ -261,11 +270,7 @@ async def test_replica_exception_propagates_same_object_and_cancels_others(three
         if rid == 1:
             await wait_until(lambda: len(started) == 3, "all replicas started")
             raise boom
-        try:
-            await asyncio.Event().wait()  # would wait forever
-        except asyncio.CancelledError:
-            cancelled.append(rid)
-            raise
+        await _wait_until_cancelled(cancelled, rid)
 
     with pytest.raises(KeyError) as info:
         await three.run(fn)
@@ -363,11 +368,7 @@ async def test_a_system_exit_in_a_replicas_first_step_leaves_no_replica_running(
             return await aiodist.get_replica_context().merge_call(merge_fn)
         if rid == 1:
             raise stop  # in its first step; replica 2's task is never made
-        try:
-            await asyncio.Event().wait()  # would wait forever
-        except asyncio.CancelledError:
-            cancelled.append(rid)
-            raise
+        await _wait_until_cancelled(cancelled, rid)
 
     with pytest.raises(SystemExit) as info:
         await three.run(fn)
@@ -489,11 +490,7 @@ async def test_cancelling_the_caller_cancels_every_replica(three):
     async def fn():
         rid = aiodist.get_replica_context().replica_id_in_sync_group
         waiting.append(rid)
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            cancelled.append(rid)
-            raise
+        await _wait_until_cancelled(cancelled, rid)
 
     caller = asyncio.create_task(three.run(fn))
     await wait_until(lambda: len(waiting) == 3, "three replicas waiting")

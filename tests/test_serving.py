@@ -274,6 +274,17 @@ async def test_a_request_larger_than_a_batch_is_refused(two):
     await batcher.stop()
 
 
+async def _every_caller_fails(batcher: Batcher, text: str) -> None:
+    """Four one-row requests, batched together: each caller gets the step's
+    InvalidArgumentError, whose message holds ``text``."""
+    outcomes = await asyncio.gather(
+        *(batcher.submit(np.full((1, 1), float(i))) for i in range(4)), return_exceptions=True
+    )
+    for outcome in outcomes:
+        assert isinstance(outcome, aiodist.InvalidArgumentError), outcome
+        assert text in str(outcome)
+
+
 async def test_each_replicas_row_count_is_checked_not_only_the_total(two):
     # Replica 0 returns one row short, replica 1 one extra: the total is right, but
     # callers would get each other's rows.
@@ -283,12 +294,7 @@ async def test_each_replicas_row_count_is_checked_not_only_the_total(two):
 
     batcher = Batcher(two, skewed, max_wait_seconds=0.05)
     await batcher.start()
-    outcomes = await asyncio.gather(
-        *(batcher.submit(np.full((1, 1), float(i))) for i in range(4)), return_exceptions=True
-    )
-    for outcome in outcomes:
-        assert isinstance(outcome, aiodist.InvalidArgumentError), outcome
-        assert "returned 1 row on replica 0 for its 2 input rows" in str(outcome)
+    await _every_caller_fails(batcher, "returned 1 row on replica 0 for its 2 input rows")
 
     async def scalar(rows):
         return np.float64(1.0)
@@ -308,12 +314,7 @@ async def test_a_step_returning_several_outputs_is_refused_not_mixed_up(two):
 
     batcher = Batcher(two, two_outputs, max_wait_seconds=0.05)
     await batcher.start()
-    outcomes = await asyncio.gather(
-        *(batcher.submit(np.full((1, 1), float(i))) for i in range(4)), return_exceptions=True
-    )
-    for outcome in outcomes:
-        assert isinstance(outcome, aiodist.InvalidArgumentError), outcome
-        assert "the step returned a tuple; it must return one array" in str(outcome)
+    await _every_caller_fails(batcher, "the step returned a tuple; it must return one array")
 
     async def named_outputs(rows):
         return {"y": rows}
