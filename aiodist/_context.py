@@ -18,9 +18,10 @@ unlike TensorFlow's thread-local stacks, nothing leaks between coroutines.
 
 ``strategy.scope()`` returns a ``Scope``: as TF's, one object may be entered
 again inside its own block, and tasks and threads sharing it may leave it in any
-order (each entry is undone by the task or thread that made it, or by another
-task in the context it was made in: pytest-asyncio runs an async fixture's code
-before and after its ``yield`` as two tasks sharing one context).
+order (each entry is undone by the task or thread that made it, or, once that
+task has finished, by another task in the context it was made in: pytest-asyncio
+runs an async fixture's code before and after its ``yield`` as two tasks sharing
+one context).
 """
 
 from __future__ import annotations
@@ -183,7 +184,8 @@ class Scope:
     """What ``strategy.scope()`` returns. As TF's, one object may be entered again
     inside its own ``with`` block (and after it): each entry's token is kept, with
     the thread and task that entered it and the state it made current, until that
-    task leaves the block (or another task does, in the same context)."""
+    task leaves the block (or, once it has finished, another task does, in the same
+    context)."""
 
     __slots__ = ("_entries", "_strategy")
 
@@ -221,12 +223,15 @@ class Scope:
         A with statement cannot leave what it did not enter, but a block's two halves
         may run in two tasks: pytest-asyncio runs an async generator fixture's code
         before and after its ``yield`` as two tasks in one context. The entry is the
-        latest whose state is current here; its token resets only in the context
-        that made it (anywhere else the entry is another task's, and stays)."""
+        latest whose state is current here and whose task has finished (a task still
+        running leaves its own entries: a task started inside the block, which
+        inherits its state, may be inside a block of this same scope object); its
+        token resets only in the context that made it (anywhere else the entry is
+        another task's, and stays)."""
         entries, state = self._entries, _STATE.get()
         for i in range(len(entries) - 1, -1, -1):
-            if entries[i][2] is state:
-                token = entries[i][1]
+            (_, task), token, made = entries[i]
+            if made is state and task is not None and task.done():
                 if token is not None:
                     try:
                         _STATE.reset(token)

@@ -158,6 +158,38 @@ async def test_a_scope_entered_and_left_by_two_tasks_of_one_context(two):
         scope.__exit__(None, None, None)
 
 
+async def test_a_fixture_half_leaving_a_scope_skips_a_running_tasks_entry(two):
+    """The second half of a fixture holding a shared scope object open left the
+    latest entry whose state was current: that of a task started inside the block
+    (it inherits that state) and still inside a block of the same scope object. The
+    fixture's context kept the strategy current, and the task, leaving its own
+    block, got ContextError ("did not enter it")."""
+    scope = two.scope()  # one object, shared
+    inside, leave = asyncio.Event(), asyncio.Event()
+
+    async def fixture():
+        with scope:
+            yield
+
+    async def background():
+        with scope:  # a re-entry: changes nothing
+            inside.set()
+            await leave.wait()
+        return aiodist.has_strategy()
+
+    loop = asyncio.get_running_loop()
+    context = contextvars.copy_context()
+    generator = fixture()
+    await loop.create_task(anext(generator), context=context)
+    task = context.run(asyncio.create_task, background())  # started inside the block
+    await inside.wait()
+    await loop.create_task(anext(generator, None), context=context)
+    assert not context.run(aiodist.has_strategy)  # the fixture's entry was left
+    leave.set()
+    assert await task is True  # its own block left by itself: its outer state stays
+    assert "entered 0 time(s)" in repr(scope)
+
+
 def test_mixing_strategies_raises(two, three):
     default = aiodist.get_strategy()
     with two.scope():
