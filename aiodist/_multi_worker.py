@@ -1729,9 +1729,12 @@ class MultiWorkerMirroredStrategy(Strategy):
         """``value`` as this worker's replicas' values: a variable's are its copies;
         a value that is not distributed is each local replica's (as when every
         replica passed the same object), so with one local replica it is simply
-        that replica's value."""
-        if hasattr(value, "_aiodist_local_results"):  # a variable: never read it whole
-            return PerReplica(list(value._aiodist_local_results()), self._devices)
+        that replica's value. A variable made outside any scope is its value, as
+        ``Strategy.reduce`` takes it (its one copy is not one per local replica)."""
+        if hasattr(value, "_aiodist_local_results"):
+            if value._aiodist_distributed:  # a strategy's variable: never read it whole
+                return PerReplica(list(value._aiodist_local_results()), self._devices)
+            value = value.read_value()
         if isinstance(value, DistributedValues) or len(self._slots) == 1:
             return value
         return PerReplica([value] * len(self._slots), self._devices)

@@ -858,6 +858,18 @@ async def _structures(strategy: aiodist.Strategy) -> list:
     return refused
 
 
+async def _plain_variable(strategy: aiodist.Strategy) -> dict:
+    """A variable made outside any scope is reduced as its value (one copy, whatever
+    the number of local replicas), as MirroredStrategy reduces it."""
+    plain = aiodist.Variable(np.array([1.0, 2.0]))
+    with strategy.scope():
+        return {
+            "mean": _plain(await strategy.reduce("mean", plain, axis=None)),
+            "max": _plain(await strategy.reduce("max", plain, axis=None)),
+            "reduce_to": _plain(await strategy.extended.reduce_to("mean", plain, "cpu:0")),
+        }
+
+
 async def _after_agreed(strategy: aiodist.Strategy) -> dict:
     """Run 1 fails on worker 1 after its all_reduce's headers agreed, while the data
     step waits for worker 0 (whose loop is blocked 1 s before it issues its own):
@@ -963,6 +975,7 @@ _BOUNDED = (
     "overlapped_mismatch",
     "cancelled_in_turn",
     "run_in_merge_fn",
+    "plain_variable",
 )  # a 30 s timeout: failing at once shows
 
 
@@ -1021,6 +1034,7 @@ def main() -> None:
         "batcher": _batcher,
         "statistics": _statistics,
         "structures": _structures,
+        "plain_variable": _plain_variable,
     }[mode]
     _report(strategy, _run(work(strategy)))
 

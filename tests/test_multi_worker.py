@@ -492,6 +492,17 @@ def test_structures_of_distributed_values_are_refused_across_workers():
         assert result[0] == "strategy.reduce: value is a dict (keys 'loss')"
 
 
+def test_a_variable_made_outside_any_scope_is_reduced_as_its_value():
+    """Worker 0 has two replicas: its one copy was taken for one value per local
+    replica ("PerReplica: 1 values but 2 devices"), where MirroredStrategy reduces
+    such a variable as its value."""
+    rc, results, output, _ = _program(2, "plain_variable", [2, 1])
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == [0, 1], output[-3000:]
+    for result in results.values():
+        assert result == {"mean": [1.0, 2.0], "max": [1.0, 2.0], "reduce_to": [1.0, 2.0]}
+
+
 @pytest.mark.parametrize("bad", [0, -1])
 def test_a_replica_count_below_one_is_refused(bad):
     with pytest.raises(aiodist.InvalidArgumentError, match=rf"devices_per_worker={bad}; expected"):
