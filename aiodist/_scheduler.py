@@ -302,6 +302,12 @@ class ReplicaSlot(NamedTuple):
     stream: Any
 
 
+def _mark_retrieved(task: asyncio.Task) -> None:
+    """Mark ``task``'s exception retrieved: the run reports it (see _replica_raised)."""
+    if not task.cancelled():
+        task.exception()
+
+
 def task_names(slots: Sequence[ReplicaSlot]) -> tuple[str, ...]:
     """The names of the replicas' tasks, in slot order (a strategy keeps its own)."""
     return tuple(f"aiodist-replica-{slot.replica_id}" for slot in slots)
@@ -669,6 +675,14 @@ class RunGroup:
         the others are cancelled. (``exc`` itself, not read from the task: a task
         factory's wrapper may still be running when the callback runs.)"""
         self._loop.call_soon(self._replica_failed, rid, exc)
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            # Raised in a task's first step (Python 3.12+), these come out of the
+            # task's creation (see run), so the task never joins the run's list, whose
+            # failures _drain marks retrieved: this one is, once done, or asyncio logs
+            # "Task exception was never retrieved" for what run raised itself.
+            task = asyncio.current_task()
+            if task is not None:
+                task.add_done_callback(_mark_retrieved)
 
     def _state(self, rid: int) -> _State:
         """Replica ``rid``'s context state in this run (a merge_fn's has no replica

@@ -6,6 +6,7 @@ import asyncio
 import collections
 import contextlib
 import contextvars
+import gc
 import json
 import sys
 
@@ -376,6 +377,34 @@ async def test_a_system_exit_in_a_replicas_first_step_leaves_no_replica_running(
     assert cancelled == ([0] if where == "replica" else [])
     assert not _own_tasks()
     assert three.statistics().runs_in_flight == 0
+
+
+@pytest.mark.skipif(
+    sys.version_info < (3, 12),
+    reason="replica tasks start eagerly on Python 3.12+ only (on 3.11 a SystemExit in a "
+    "replica's step stops the event loop itself, as asyncio does for any task)",
+)
+@pytest.mark.parametrize("exc_type", [SystemExit, KeyboardInterrupt])
+async def test_a_system_exit_that_run_raises_is_not_logged_as_never_retrieved(
+    three, caplog, exc_type
+):
+    """The replica whose first step raised it never joins the run's list of tasks
+    (its creation raised), whose failures the run marks retrieved: asyncio then
+    logged "Task exception was never retrieved" for the exception run had raised."""
+    stop = exc_type()
+
+    async def fn():
+        if aiodist.get_replica_context().replica_id_in_sync_group == 1:
+            raise stop
+        await asyncio.Event().wait()
+
+    with pytest.raises(exc_type) as info:
+        await three.run(fn)
+    assert info.value is stop
+    del info
+    await asyncio.sleep(0)  # (the task's done callbacks)
+    gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
 
 
 # How a task factory makes the tasks it does make: as asyncio does; around a wrapper
