@@ -31,7 +31,9 @@ class CommunicationOptions:
             waiting replica (None: no limit).
         implementation: which collective implementation to prefer.
         stall_warning_seconds: after this long waiting for some replicas, log a
-            warning (logger ``aiodist``) naming them and where each is waiting;
+            warning (logger ``aiodist``) naming them and where each is waiting
+            (or, once every replica has arrived at a merge_call whose async
+            merge_fn has not finished, naming it and where it is waiting);
             repeated at doubling intervals; None disables it.
 
     Per-call options override the strategy's ``communication_options`` field by

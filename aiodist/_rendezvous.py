@@ -18,7 +18,9 @@ exactly once, with the payloads in replica order. It returns either the list of
 per-replica results, or an ``asyncio.Future`` of that list (cross-replica work
 that must await, such as an ``async`` merge_fn; one already done is delivered at
 once). Each replica's future receives its own element. If ``execute`` raises,
-every replica's future raises that exception.
+every replica's future raises that exception. A merge_call whose future is not
+done yet is *running* until it is: ``pending()`` lists it, and its stall reports
+go on (a merge_fn that never finishes is no less a hang than a missing replica).
 
 Never hang
 ----------
@@ -55,7 +57,7 @@ from ._errors import (
     ReplicaExitedError,
 )
 
-__all__ = ["Rendezvous", "Signature", "Tally"]
+__all__ = ["InFlight", "Rendezvous", "Signature", "Tally"]
 
 _Future = asyncio.Future
 _set_result = _Future.set_result  # (see Rendezvous._complete)
@@ -116,10 +118,12 @@ class _Call:
         "next_warning",
         "number",
         "payloads",
+        "running_since",
         "stall_after",
         "started",
         "timeout",
         "timer",
+        "work",
     )
 
     @property
@@ -132,6 +136,24 @@ class _Call:
 
 
 Execute = Callable[[int, Signature, list], "list | asyncio.Future"]
+
+
+class InFlight(NamedTuple):
+    """A call in flight, as ``pending()`` and ``due_stalls()`` show it: *waiting*
+    for replicas still missing, or *running*: every replica arrived and its
+    cross-replica work (an async merge_fn's task) has not finished."""
+
+    name: str
+    number: int
+    arrived: list[int]
+    missing: list[int]
+    started: float  # perf_counter() of the first arrival
+    # The first arrived replica's payload (a merge_call's: (merge_fn, args, kwargs)).
+    payload: Any
+    # perf_counter() when every replica had arrived and the work began; None while
+    # replicas are missing.
+    running_since: float | None = None
+    work: asyncio.Future | None = None  # that work, while it runs
 
 
 class Tally:
@@ -163,6 +185,7 @@ class Rendezvous:
         "_pending",
         "_plain_futures",
         "_quiet",
+        "_running",
         "_watch",
         "exited",
         "num_replicas",
@@ -208,13 +231,21 @@ class Rendezvous:
         # fail even after that (an async merge_fn cancelled with its run, whose result
         # is delivered by a callback that may run after close) are not logged either.
         self._quiet = False
+        # _running (call number -> _Call): calls every replica has arrived at whose
+        # cross-replica work still runs (an async merge_fn that suspended), for
+        # pending() and stall reports. Not set here: made by the first such call
+        # (_run_on), and read with getattr() elsewhere, so the runs that have none
+        # (most) pay nothing for it.
 
     def __repr__(self) -> str:
         pending = ", ".join(
             f"{call.label} (arrived {_ids(call.arrivals())})"
             for call in list(self._pending.values())  # (a copy: see pending())
         )
-        return f"<Rendezvous replicas={self.num_replicas} pending=[{pending}]>"
+        running = getattr(self, "_running", None)  # (see __init__)
+        running = ", ".join(call.label for call in list(running.values())) if running else ""
+        running = f" running=[{running}]" if running else ""
+        return f"<Rendezvous replicas={self.num_replicas} pending=[{pending}]{running}>"
 
     # -- arrivals ----------------------------------------------------------------
 
@@ -388,44 +419,64 @@ class Rendezvous:
             )
         return self._closed
 
-    def pending(self) -> list[tuple[str, int, list[int], list[int], float]]:
-        """(name, call number, arrived, missing, perf_counter() of the first arrival)
-        for every call in flight.
+    def pending(self) -> list[InFlight]:
+        """Every call in flight: those some replica is missing from (waiting), then
+        those whose cross-replica work still runs (running).
 
         Safe from another thread (``strategy.statistics()`` from a monitor, or from
         another loop's thread): the calls are copied in C, where no other thread
         can add or remove one (iterating the dict itself in Python raised
         "dictionary changed size during iteration")."""
-        return [self._row(call) for call in list(self._pending.values()) if call.failure is None]
+        rows = [self._row(call) for call in list(self._pending.values()) if call.failure is None]
+        running = getattr(self, "_running", None)  # (see __init__)
+        if running:
+            rows.extend(self._row(call, True) for call in list(running.values()))
+        return rows
 
     @staticmethod
     def _missing(call: _Call) -> list[int]:
         return [r for r, future in enumerate(call.futures) if future is None]
 
     @staticmethod
-    def _row(call: _Call) -> tuple[str, int, list[int], list[int], float]:
+    def _row(call: _Call, running: bool = False) -> InFlight:
         # Arrived and missing from one copy of the futures (made in C): a replica
         # arriving meanwhile, on another thread, is in exactly one of them.
         futures = list(call.futures)
         arrived = [r for r, future in enumerate(futures) if future is not None]
         missing = [r for r, future in enumerate(futures) if future is None]
-        return (call.name, call.number, arrived, missing, call.started)
+        payload = call.payloads[arrived[0]] if arrived else None
+        if not running:
+            return InFlight(call.name, call.number, arrived, missing, call.started, payload)
+        return InFlight(
+            call.name,
+            call.number,
+            arrived,
+            missing,
+            call.started,
+            payload,
+            call.running_since,
+            call.work,
+        )
 
-    def due_stalls(self, now: float) -> tuple[list[tuple[str, int, list, list, float]], float]:
+    def due_stalls(self, now: float) -> tuple[list[InFlight], float]:
         """Calls in flight whose next stall report is due at ``now`` (perf_counter), as
         ``pending()`` rows, and the time of the next report after those.
 
         Each call is reported after ``stall_after`` seconds, then at doubling
-        intervals (2x, 4x, ...), so a long stall does not flood the log.
+        intervals (2x, 4x, ...), so a long stall does not flood the log: counted from
+        its first arrival while replicas are missing, and on, on the same schedule,
+        while its cross-replica work runs (an async merge_fn that does not finish).
         """
         due, next_due = [], math.inf
-        for call in self._pending.values():
-            if call.stall_after is None or call.failure is not None:
-                continue
-            if now >= call.started + call.next_warning:
-                due.append(self._row(call))
-                call.next_warning *= 2
-            next_due = min(next_due, call.started + call.next_warning)
+        running = getattr(self, "_running", None)  # (see __init__)
+        for calls, is_running in ((self._pending, False), (running or {}, True)):
+            for call in calls.values():
+                if call.stall_after is None or call.failure is not None:
+                    continue
+                if now >= call.started + call.next_warning:
+                    due.append(self._row(call, is_running))
+                    call.next_warning *= 2
+                next_due = min(next_due, call.started + call.next_warning)
         return due, next_due
 
     # -- completion and failure ---------------------------------------------------
@@ -472,9 +523,13 @@ class Rendezvous:
         elif isinstance(results, asyncio.Future):
             if results.done():  # already (an eager task that never suspended)
                 self._deliver_later(call, results)
+            elif name == "merge_call":  # an async merge_fn that suspended
+                self._run_on(call, results)
             else:
-                # (A partial, not a lambda: its variables would be cells, made on
-                # every call of this method.)
+                # A multi-worker collective's exchange with the other workers, on every
+                # step: not tracked (it has stall reports of its own), so it costs
+                # nothing more. (A partial, not a lambda: its variables would be cells,
+                # made on every call of this method.)
                 results.add_done_callback(partial(self._deliver_later, call))
         else:
             self._deliver(call, results)
@@ -519,6 +574,28 @@ class Rendezvous:
                 future.set_result(result)
             except asyncio.InvalidStateError:  # the replica cancelled its wait
                 continue
+
+    def _run_on(self, call: _Call, work: asyncio.Future) -> None:
+        """Every replica has arrived at merge_call ``call``, and its cross-replica
+        work ``work`` (an async merge_fn's task that suspended) goes on: the call is
+        *running*, shown by ``pending()`` and reported by ``due_stalls()`` until
+        ``work`` ends, then delivered. (Only merge_fns that suspend come here: the
+        usual call's work is done before ``_complete`` returns.)"""
+        call.running_since = perf_counter()
+        call.work = work
+        try:
+            running = self._running
+        except AttributeError:  # the first (see __init__)
+            running = self._running = {}
+        running[call.number] = call
+        # (A partial, not a lambda: its variables would be cells, made on every call.)
+        work.add_done_callback(partial(self._ran, call))
+
+    def _ran(self, call: _Call, done: asyncio.Future) -> None:
+        """``call``'s cross-replica work is done: no longer running; deliver it."""
+        self._running.pop(call.number, None)
+        call.work = None  # (the task: with its result or failure, not kept by the call)
+        self._deliver_later(call, done)
 
     def _deliver_later(self, call: _Call, done: asyncio.Future) -> None:
         if done.cancelled():

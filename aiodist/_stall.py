@@ -5,8 +5,11 @@ its last replicas, one warning goes to the ``aiodist`` logger naming the
 collective and its call number, the replicas that arrived, the replicas still
 missing, and, for each missing replica, its await chain: from the replica
 function down to the innermost suspended frame, each as ``function (file:line)``.
-Reports repeat at doubling intervals while the stall lasts. They never fail the
-run: ``timeout_seconds`` does that.
+A ``merge_call`` every replica has arrived at, whose async merge_fn has not
+finished (it awaits something that never comes, or comes slowly), is reported
+the same way: the merge_fn, and its task's await chain. Reports repeat at
+doubling intervals while the stall lasts. They never fail the run:
+``timeout_seconds`` does that.
 
 Cost when nothing stalls: one watchdog per event loop. A new collective call
 only compares its report time with the watchdog's next wake-up (scheduling one
@@ -28,7 +31,8 @@ from collections.abc import Callable
 from types import AsyncGeneratorType, CoroutineType, GeneratorType
 from typing import TYPE_CHECKING, Any
 
-from ._rendezvous import _replicas
+from ._rendezvous import InFlight, _replicas
+from ._stats import merge_fn_text
 from ._streams import drive, step_through
 
 if TYPE_CHECKING:
@@ -190,34 +194,79 @@ class Watchdog:
         next_due = math.inf
         for group in _runs_on(loop):
             due, group_next = group._rendezvous.due_stalls(now)
-            for name, number, arrived, missing, started in due:
-                logger.warning(_report(group, name, number, arrived, missing, now - started))
+            for row in due:
+                if row.running_since is None:
+                    logger.warning(_report(group, row, now))
+                elif row.name == "merge_call":
+                    logger.warning(_running_report(group, row, now))
+                # (Other work still running after every replica arrived is a multi-worker
+                # collective's exchange, which has stall reports of its own.)
             next_due = min(next_due, group_next)
         if next_due < math.inf:
             self.ensure(next_due)
 
 
-def _report(
-    group: RunGroup, name: str, number: int, arrived: list, missing: list, waited: float
-) -> str:
+def _chain_of(task: Any) -> list[str]:
+    """``await_chain`` of a task's coroutine; never raises (a diagnostic: a report,
+    and the later ones, must not be lost)."""
+    try:
+        return await_chain(task.get_coro())
+    except Exception as exc:
+        return [f"(could not follow its await chain: {exc!r})"]
+
+
+def _report(group: RunGroup, row: InFlight, now: float) -> str:
+    """The report of a call some replicas are missing from: where each one is."""
     lines = [
-        f"{name} #{number} has waited {waited:.1f} s: {_replicas(arrived)} arrived, "
-        f"{_replicas(missing)} missing. Where the missing replicas are now:"
+        f"{row.name} #{row.number} has waited {now - row.started:.1f} s: "
+        f"{_replicas(row.arrived)} arrived, {_replicas(row.missing)} missing. Where the "
+        "missing replicas are now:"
     ]
-    for replica in missing:
+    for replica in row.missing:
         task = group._tasks[replica] if replica < len(group._tasks) else None
         if task is None or task.done():
             lines.append(f"  replica {replica}: finished")
             continue
-        try:
-            chain = await_chain(task.get_coro())
-        except Exception as exc:  # a diagnostic: never lose the report (or later ones)
-            chain = [f"(could not follow its await chain: {exc!r})"]
         lines.append(f"  replica {replica}:")
-        lines.extend(f"    {entry}" for entry in chain or ["(not started yet)"])
+        lines.extend(f"    {entry}" for entry in _chain_of(task) or ["(not started yet)"])
     lines.append(
         "This is a warning, not an error; set CommunicationOptions(timeout_seconds=...) to "
         "fail instead, or stall_warning_seconds=None to silence it."
+    )
+    return "\n".join(lines)
+
+
+def _running_report(group: RunGroup, row: InFlight, now: float) -> str:
+    """The report of a merge_call every replica has arrived at, whose merge_fn has
+    not finished: which merge_fn, and where its task is."""
+    merge_fn = merge_fn_text(row.payload)
+    lines = [
+        f"{row.name} #{row.number} has waited {now - row.started:.1f} s: every replica "
+        f"arrived ({_replicas(row.arrived)}), and merge_fn {merge_fn} is still running "
+        f"(for {now - row.running_since:.1f} s). Where it is now:"
+    ]
+    work = row.work
+    if isinstance(work, asyncio.Task) and not work.done():
+        chain = _chain_of(work) or [
+            "(awaiting an awaitable with no coroutine frame behind it, such as a future)"
+        ]
+    else:  # (it ended as this report was made)
+        chain = ["(finished)"]
+    lines.append("  merge_fn:")
+    lines.extend(f"    {entry}" for entry in chain)
+    timeout = group.strategy._communication_options.timeout_seconds
+    if timeout is None:
+        fail = (
+            "set CommunicationOptions(timeout_seconds=...) on the strategy to cancel a "
+            "merge_fn that runs that long and fail the merge_call"
+        )
+    else:
+        fail = (
+            f"timeout_seconds={timeout:g} cancels merge_fn and fails the merge_call once it "
+            "has run that long"
+        )
+    lines.append(
+        f"This is a warning, not an error; {fail}, or set stall_warning_seconds=None to silence it."
     )
     return "\n".join(lines)
 

@@ -12,24 +12,44 @@ from types import MappingProxyType
 from typing import Any
 
 from ._rendezvous import Tally
+from ._replica_context import _function_text
 
-__all__ = ["Counters", "RendezvousInFlight", "Statistics", "snapshot"]
+__all__ = ["Counters", "RendezvousInFlight", "Statistics", "merge_fn_text", "snapshot"]
 
 
 @dataclasses.dataclass(frozen=True)
 class RendezvousInFlight:
-    """One collective call that some replicas of a run are waiting in."""
+    """One collective call of a run in flight, in one of two states:
+
+    - ``"waiting"``: some replicas arrived, those in ``missing`` have not;
+    - ``"running"``: every replica arrived (``missing`` is empty) and the call's
+      cross-replica work has not finished: an async merge_fn still running (for
+      ``running_seconds``), or a multi-worker exchange with the other workers.
+
+    ``waiting_seconds`` counts from the first arrival in both. ``merge_fn`` names a
+    merge_call's function (``name (file:line)``); None for other collectives.
+    """
 
     collective: str
     call_number: int
     arrived: tuple[int, ...]
     missing: tuple[int, ...]
     waiting_seconds: float
+    state: str = "waiting"
+    running_seconds: float = 0.0
+    merge_fn: str | None = None
 
     def __repr__(self) -> str:
+        head = f"<{self.collective} #{self.call_number}"
+        if self.state == "running":
+            what = f"merge_fn {self.merge_fn}" if self.merge_fn is not None else "its work"
+            return (
+                f"{head} arrived={list(self.arrived)} running: {what} for "
+                f"{self.running_seconds:.3f} s, waiting {self.waiting_seconds:.3f} s>"
+            )
         return (
-            f"<{self.collective} #{self.call_number} arrived={list(self.arrived)} "
-            f"missing={list(self.missing)} waiting {self.waiting_seconds:.3f} s>"
+            f"{head} arrived={list(self.arrived)} missing={list(self.missing)} "
+            f"waiting {self.waiting_seconds:.3f} s>"
         )
 
 
@@ -72,6 +92,15 @@ class Counters(Tally):
         self.bytes_reduced = 0
 
 
+def merge_fn_text(payload: tuple) -> str:
+    """The merge_fn of a merge_call's payload, ``(merge_fn, args, kwargs)``, as
+    ``name (file:line)``; never raises (it goes into diagnostics)."""
+    try:
+        return _function_text(payload[0])
+    except Exception:  # a callable whose name cannot be read
+        return object.__repr__(payload[0])
+
+
 def snapshot(counters: Counters, live_groups: Iterable[Any], now: float) -> Statistics:
     """The totals so far, and what the runs in flight are waiting in."""
     in_flight = []
@@ -80,10 +109,22 @@ def snapshot(counters: Counters, live_groups: Iterable[Any], now: float) -> Stat
         rendezvous = group._rendezvous
         if rendezvous is None:
             continue
-        for name, number, arrived, missing, started in rendezvous.pending():
-            waited = max(0.0, now - started)
+        for row in rendezvous.pending():
+            merge_fn = None
+            if row.name == "merge_call" and row.payload is not None:
+                merge_fn = merge_fn_text(row.payload)
+            running = row.running_since is not None
             in_flight.append(
-                RendezvousInFlight(name, number, tuple(arrived), tuple(missing), waited)
+                RendezvousInFlight(
+                    row.name,
+                    row.number,
+                    tuple(row.arrived),
+                    tuple(row.missing),
+                    max(0.0, now - row.started),
+                    "running" if running else "waiting",
+                    max(0.0, now - row.running_since) if running else 0.0,
+                    merge_fn,
+                )
             )
     return Statistics(
         runs_in_flight=len(groups),

@@ -145,6 +145,132 @@ async def test_no_report_when_nothing_stalls(caplog):
     assert [r for r in caplog.records if r.name == "aiodist"] == []
 
 
+async def test_stall_report_names_a_merge_fn_still_running_and_where_it_waits(caplog):
+    # Every replica arrived at the merge_call, but its async merge_fn waits on
+    # something that does not come: no replica is missing, and no report was made.
+    caplog.set_level(logging.WARNING, logger="aiodist")
+    options = aiodist.CommunicationOptions(stall_warning_seconds=0.05)
+    strategy = aiodist.MirroredStrategy(cpu_devices(3), communication_options=options)
+    release = asyncio.Event()
+
+    async def merge_fn(strategy, value):
+        await helper(release)
+        return sum(strategy.experimental_local_results(value))
+
+    async def fn():
+        return await aiodist.get_replica_context().merge_call(merge_fn, args=(rid(),))
+
+    run = asyncio.create_task(strategy.run(fn))
+    records = await wait_for_records(caplog, 3)  # after 0.05, 0.1 and 0.2 s
+    release.set()
+    assert await run == 3  # never failed by the reports
+    message = records[0].getMessage()
+    name = "test_stall_report_names_a_merge_fn_still_running_and_where_it_waits.<locals>"
+    assert message.startswith("merge_call #0 has waited 0.")
+    assert "every replica arrived (replicas 0, 1, 2), and merge_fn " in message
+    assert f"merge_fn {name}.merge_fn (test_observability.py:" in message
+    assert "is still running (for 0." in message
+    lines = message.splitlines()
+    where = lines.index("  merge_fn:")
+    chain = [line.strip() for line in lines[where + 1 : where + 4]]
+    assert chain[0].startswith(f"{name}.merge_fn (tests/test_observability.py:")
+    assert chain[1].startswith("helper (tests/test_observability.py:")
+    assert chain[2].startswith("stuck_in_io (tests/test_observability.py:")
+    assert "set CommunicationOptions(timeout_seconds=...) on the strategy" in lines[-1]
+    # At the doubling intervals of every stall report.
+    waits = [float(r.getMessage().split("waited ")[1].split(" s")[0]) for r in records[:3]]
+    assert waits == sorted(waits) and waits[2] >= 0.15
+    assert all(r.getMessage().startswith("merge_call #0 has waited") for r in records)
+
+
+async def test_stall_reports_of_a_merge_fn_end_with_its_timeout(caplog):
+    caplog.set_level(logging.WARNING, logger="aiodist")
+    options = aiodist.CommunicationOptions(stall_warning_seconds=0.02, timeout_seconds=0.2)
+    strategy = aiodist.MirroredStrategy(cpu_devices(2), communication_options=options)
+
+    async def merge_fn(strategy):
+        await stuck_in_io(asyncio.Event())  # never set
+
+    async def fn():
+        return await aiodist.get_replica_context().merge_call(merge_fn)
+
+    with pytest.raises(aiodist.RendezvousTimeoutError, match=r"merge_fn did not finish within"):
+        await strategy.run(fn)
+    reports = [r.getMessage() for r in caplog.records if r.name == "aiodist"]
+    assert len(reports) >= 2  # 0.02, 0.04, 0.08, 0.16 s
+    assert all("timeout_seconds=0.2 cancels merge_fn" in report for report in reports)
+    await asyncio.sleep(0.1)  # the next one would be due at 0.32 s: none, it ended
+    assert len([r for r in caplog.records if r.name == "aiodist"]) == len(reports)
+    assert strategy.statistics().rendezvous_in_flight == ()
+
+
+async def test_stall_reports_of_concurrent_runs_a_merge_fn_and_a_missing_replica(caplog):
+    caplog.set_level(logging.WARNING, logger="aiodist")
+    options = aiodist.CommunicationOptions(stall_warning_seconds=0.03)
+    strategy = aiodist.MirroredStrategy(cpu_devices(2), communication_options=options)
+    release = asyncio.Event()
+
+    async def merge_fn(strategy):
+        await release.wait()
+        return "merged"
+
+    async def merging():
+        return await aiodist.get_replica_context().merge_call(merge_fn)
+
+    async def one_late():
+        if rid() == 1:
+            await helper(release)
+        return await aiodist.get_replica_context().all_reduce("sum", 1.0)
+
+    runs = [asyncio.create_task(strategy.run(f)) for f in (merging, one_late, merging)]
+    records = await wait_for_records(caplog, 3)
+    stats = strategy.statistics()
+    release.set()
+    results = [await run for run in runs]
+    assert (results[0], results[1].values, results[2]) == ("merged", (2.0, 2.0), "merged")
+    first = sorted(r.getMessage().splitlines()[0] for r in records[:3])
+    assert [line.split(": ", 1)[1].split(",")[0] for line in first] == [
+        "replica 0 arrived",
+        "every replica arrived (replicas 0",
+        "every replica arrived (replicas 0",
+    ]
+    assert sorted((c.collective, c.state) for c in stats.rendezvous_in_flight) == [
+        ("all_reduce", "waiting"),
+        ("merge_call", "running"),
+        ("merge_call", "running"),
+    ]
+
+
+async def test_a_merge_fn_awaiting_a_bare_future_and_one_that_finishes_in_time(caplog):
+    caplog.set_level(logging.WARNING, logger="aiodist")
+    options = aiodist.CommunicationOptions(stall_warning_seconds=0.03)
+    strategy = aiodist.MirroredStrategy(cpu_devices(2), communication_options=options)
+    future = asyncio.get_running_loop().create_future()
+
+    def returns_a_future(strategy):  # a plain function returning an awaitable
+        return future
+
+    async def quick(strategy):
+        await asyncio.sleep(0)  # suspends, finishes long before the threshold
+        return 1
+
+    async def fn(merge_fn):
+        return await aiodist.get_replica_context().merge_call(merge_fn)
+
+    for _ in range(10):
+        assert await strategy.run(fn, args=(quick,)) == 1
+    await asyncio.sleep(0.06)  # past the threshold: nothing to report
+    assert [r for r in caplog.records if r.name == "aiodist"] == []
+
+    run = asyncio.create_task(strategy.run(fn, args=(returns_a_future,)))
+    [record] = await wait_for_records(caplog, 1)
+    future.set_result("done")
+    assert await run == "done"
+    message = record.getMessage()
+    assert "merge_fn test_a_merge_fn_awaiting_a_bare_future_and_one_that_finishes" in message
+    assert "  merge_fn:\n    (awaiting an awaitable with no coroutine frame" in message
+
+
 class _SameDevicesAreEqual(aiodist.MirroredStrategy):
     """A user's subclass that compares strategies by their devices."""
 
@@ -364,6 +490,41 @@ async def test_statistics_of_a_run_blocked_mid_rendezvous():
         done.runs = 5
     with pytest.raises(TypeError):
         done.collectives["all_reduce"] = 0
+
+
+async def test_statistics_of_a_run_whose_merge_fn_has_not_finished():
+    # Every replica arrived and the async merge_fn still runs: the snapshot showed no
+    # rendezvous in flight at all, and the merge_call among the completed ones.
+    strategy = aiodist.MirroredStrategy(cpu_devices(3))
+    release = asyncio.Event()
+    started = []
+
+    async def merge_fn(strategy):
+        started.append(True)
+        await release.wait()
+        return "merged"
+
+    async def fn():
+        return await aiodist.get_replica_context().merge_call(merge_fn)
+
+    run = asyncio.create_task(strategy.run(fn))
+    await wait_until(lambda: started, "merge_fn started")
+    await asyncio.sleep(0.01)
+    [call] = strategy.statistics().rendezvous_in_flight
+    assert (call.collective, call.call_number, call.arrived, call.missing, call.state) == (
+        "merge_call",
+        0,
+        (0, 1, 2),
+        (),
+        "running",
+    )
+    assert call.waiting_seconds >= call.running_seconds >= 0.005
+    name = "test_statistics_of_a_run_whose_merge_fn_has_not_finished.<locals>.merge_fn"
+    assert call.merge_fn.startswith(f"{name} (test_observability.py:")
+    assert f"<merge_call #0 arrived=[0, 1, 2] running: merge_fn {name} (" in repr(call)
+    release.set()
+    assert await run == "merged"
+    assert strategy.statistics().rendezvous_in_flight == ()
 
 
 async def test_statistics_include_what_runs_in_flight_have_done(two):

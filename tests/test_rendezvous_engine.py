@@ -37,9 +37,9 @@ async def test_completes_once_when_all_arrive_with_per_replica_results():
     rv = Rendezvous(3, execute)
     futures = [rv.arrive(r, SUM, 10 * r) for r in (2, 0)]
     assert not any(f.done() for f in futures)
-    [(name, number, arrived, missing, started)] = rv.pending()
-    assert (name, number, arrived, missing) == ("sum", 0, [0, 2], [1])
-    assert started <= time.perf_counter()
+    [row] = rv.pending()
+    assert (row.name, row.number, row.arrived, row.missing) == ("sum", 0, [0, 2], [1])
+    assert row.started <= time.perf_counter() and row.running_since is None
     last = rv.arrive(1, SUM, 10)
     assert [await f for f in futures] == [32, 30]
     assert await last == 31
@@ -244,7 +244,7 @@ async def test_counters_and_stall_schedule():
     started = rv.pending()[0][4]
     assert rv.due_stalls(started)[0] == []  # not yet
     due, next_due = rv.due_stalls(started + 0.011)
-    assert [(name, number, arrived, missing) for name, number, arrived, missing, _ in due] == [
+    assert [(row.name, row.number, row.arrived, row.missing) for row in due] == [
         ("sum", 0, [0], [1])
     ]
     assert next_due == pytest.approx(started + 0.02)  # then at doubling intervals
