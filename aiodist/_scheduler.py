@@ -856,13 +856,22 @@ class RunGroup:
             )
             raise
 
-        def done(_: object = None) -> None:
-            self._trace_collective(tracer, number, label, start)
+        def done(finished: object = None) -> None:
+            # How an async merge_fn's task ended: one that raised or was cancelled
+            # (timeout_seconds) has that outcome, as a sync merge_fn that raised does.
+            # (Its exception is the rendezvous' to deliver, which retrieves it too.)
+            extra = {}
+            if isinstance(finished, asyncio.Future):
+                if finished.cancelled():
+                    extra["outcome"] = "cancelled"
+                elif (exc := finished.exception()) is not None:
+                    extra["outcome"] = f"raised {type(exc).__name__}"
+            self._trace_collective(tracer, number, label, start, **extra)
 
         if isinstance(result, asyncio.Future) and not result.done():
             result.add_done_callback(done)
         else:  # (a done future: an eager merge task, delivered at once)
-            done()
+            done(result)
         return result
 
     def _trace_collective(

@@ -755,6 +755,37 @@ async def test_a_sync_merge_fn_that_raises_has_its_cross_replica_span(tmp_path, 
     assert len(waits) == 2
 
 
+async def test_an_async_merge_fn_that_fails_has_its_outcome_in_the_trace(tmp_path):
+    # A sync merge_fn that raised had its outcome on its span; an async one that
+    # raised after suspending, or was cancelled by timeout_seconds, had none.
+    options = aiodist.CommunicationOptions(timeout_seconds=0.05)
+    strategy = aiodist.MirroredStrategy(cpu_devices(2), communication_options=options)
+
+    async def raises(strategy):
+        await asyncio.sleep(0)
+        raise LookupError("boom")
+
+    async def hangs(strategy):
+        await asyncio.Event().wait()
+
+    async def step(merge_fn):
+        return await aiodist.get_replica_context().merge_call(merge_fn)
+
+    path = tmp_path / "trace.json"
+    with aiodist.trace(path):
+        with pytest.raises(LookupError, match="boom"):
+            await strategy.run(step, args=(raises,))
+        with pytest.raises(aiodist.RendezvousTimeoutError):
+            await strategy.run(step, args=(hangs,))
+    events = _validate(json.loads(path.read_text()))
+    spans = [e for e in events if e["ph"] == "X" and e["name"] == "merge_call #0"]
+    assert [e["args"].get("outcome") for e in spans] == [
+        "raised LookupError",
+        "raised RendezvousTimeoutError",
+    ]
+    assert spans[1]["dur"] >= 0.04e6
+
+
 async def test_trace_file_has_tracks_and_events_per_replica(tmp_path):
     strategy = aiodist.MirroredStrategy(cpu_devices(3))
 
