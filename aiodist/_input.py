@@ -13,7 +13,10 @@ the per-replica batches: ``dataset_fn(InputContext)`` is called once
 (``PER_WORKER``: replicas take consecutive elements) or once per replica
 (``PER_REPLICA``). ``dataset_fn`` is a plain function; an ``async def`` one is
 refused at the call (an async generator function is fine: calling it gives the
-async iterable).
+async iterable). The replicas' sources are opened (``iter``) together at the
+first read; when calling ``dataset_fn``, or opening what it returned, raises
+for one replica, what was opened for the others is closed before the error is
+raised.
 
 Prefetching: ``async for`` starts one producer task per iteration that keeps at
 most ``InputOptions.experimental_per_replica_buffer_size`` elements fetched
@@ -257,15 +260,21 @@ def _check_iterable(iterable: Any, where: str) -> None:
     )
 
 
+def _reads_async(iterable: Any, sync: bool) -> bool:
+    """Whether ``iterable`` is read asynchronously: an async iterable is, but one
+    that is both (``__aiter__`` and ``__iter__``) is read synchronously for a
+    plain ``for`` (``sync``)."""
+    has_iter = getattr(type(iterable), "__iter__", None) is not None
+    return hasattr(iterable, "__aiter__") and not (sync and has_iter)
+
+
 class _Source:
-    """A sync or async iterable, read one element at a time from the loop. One
-    that is both (``__aiter__`` and ``__iter__``) is read asynchronously, but
-    synchronously for a plain ``for`` (``sync``)."""
+    """A sync or async iterable, opened (``iter``, ``__aiter__``) when made and
+    read one element at a time from the loop (see ``_reads_async``)."""
 
     def __init__(self, iterable: Any, where: str, sync: bool = False):
         _check_iterable(iterable, where)
-        has_iter = getattr(type(iterable), "__iter__", None) is not None
-        if hasattr(iterable, "__aiter__") and not (sync and has_iter):
+        if _reads_async(iterable, sync):
             self._async: AsyncIterator | None = iterable.__aiter__()
             self._sync: Iterator | None = None
         else:
@@ -499,9 +508,10 @@ class DistributedDataset:
     # -- reading ---------------------------------------------------------------------
 
     def _open(self, sync: bool = False) -> Any:
-        """The source(s) to read; ``sync`` for a plain ``for``."""
+        """The source(s) to read; ``sync`` for a plain ``for``. One source is
+        opened now; ``dataset_fn``'s are opened at the first read (``_Sources``)."""
         if self._per_replica_sources:
-            return _Sources([_Source(it, self._where, sync) for it in self._source_iterable])
+            return _Sources(self._source_iterable, self._where, sync)
         return _Source(self._source_iterable, self._where, sync)
 
     async def _next(self, source: Any, prefetching: bool = False) -> tuple[bool, Any]:
@@ -590,27 +600,41 @@ def _copy_of_array(leaf: Any) -> Any:
 
 
 class _Sources:
-    """Input from ``dataset_fn``: one shared source (PER_WORKER) or one per replica."""
+    """Input from ``dataset_fn``: one shared source (PER_WORKER) or one per replica.
 
-    def __init__(self, sources: list[_Source]):
-        self._sources = sources
+    The replicas' sources are opened together, at the first read: when opening
+    one raises, those opened before it are closed (nothing was read from them)
+    and the error is raised, as a source's own error is.
+    """
+
+    def __init__(self, iterables: Sequence[Any], where: str, sync: bool):
+        self._iterables, self._where, self._sync = iterables, where, sync
+        self._sources: list[_Source] | None = None  # opened by the first next_shards
+        self.is_async = any(_reads_async(iterable, sync) for iterable in iterables)
         # PER_WORKER: the replicas' shards are consecutive elements of one source,
         # copied as they are fetched (next_shards).
-        self.consecutive = len(sources) == 1
+        self.consecutive = len(iterables) == 1
 
-    @property
-    def is_async(self) -> bool:
-        return any(source.is_async for source in self._sources)
+    async def _open(self) -> list[_Source]:
+        self._sources = []
+        try:
+            for iterable in self._iterables:
+                self._sources.append(_Source(iterable, self._where, self._sync))
+        except BaseException:
+            await self.aclose()
+            raise
+        return self._sources
 
     async def next_shards(self, num_replicas: int) -> tuple[bool, list | None]:
+        sources = self._sources if self._sources is not None else await self._open()
         # None below stands for "this replica's source has run out", so an element
         # that is None is refused as it comes: it was taken for the end of a
         # PER_REPLICA source (an empty batch in its place, or the end of the
         # iteration), and PER_WORKER raised "coroutine raised StopIteration".
-        if len(self._sources) == 1:  # PER_WORKER: replicas take consecutive elements
+        if len(sources) == 1:  # PER_WORKER: replicas take consecutive elements
             shards = []
             for replica in range(num_replicas):
-                more, element = await self._sources[0].next()
+                more, element = await sources[0].next()
                 if not more:
                     break
                 if element is None:
@@ -619,7 +643,7 @@ class _Sources:
                 shards.append(_nest.map_structure(_copy_of_array, element))
         else:  # PER_REPLICA: one element from each replica's own source
             shards = []
-            for replica, source in enumerate(self._sources):
+            for replica, source in enumerate(sources):
                 more, element = await source.next()
                 if more and element is None:
                     raise _none_element(replica)
@@ -643,10 +667,11 @@ class _Sources:
         return True, shards
 
     async def aclose(self) -> None:
-        """Close every replica's source, also when closing one raises: the first
-        error is raised once all of them are closed."""
+        """Close every replica's source opened so far (each once), also when
+        closing one raises: the first error is raised once all of them are closed."""
+        sources, self._sources = self._sources or [], []
         error: Exception | None = None
-        for source in self._sources:
+        for source in sources:
             try:
                 await source.aclose()
             except Exception as exc:
@@ -677,24 +702,52 @@ def from_function(
     n = strategy.num_replicas_in_sync  # every worker's replicas
     first, local = strategy._replica_offset, len(strategy._slots)
     if options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
-        iterables = [dataset_fn(InputContext(n, first + r, n)) for r in range(local)]
+        contexts = [InputContext(n, first + r, n) for r in range(local)]
     else:  # one pipeline per worker
         world = strategy._world
         workers, rank = (1, 0) if world is None else (world.size, world.rank)
-        iterables = [dataset_fn(InputContext(workers, rank, n))]
-    refuse_awaitables(
-        iterables,
-        lambda: (
-            f"distribute_datasets_from_function: dataset_fn={dataset_fn!r} returned an "
-            "awaitable; it is called, not awaited, so it must be a plain function "
-            "(def, not async def) returning an iterable or async iterable of batches "
-            "(an async generator is one)."
-        ),
-    )
-    return DistributedDataset(
-        strategy,
-        iterables,
-        options,
-        per_replica_sources=True,
-        where="distribute_datasets_from_function",
-    )
+        contexts = [InputContext(workers, rank, n)]
+    iterables: list = []
+    try:
+        for context in contexts:
+            iterables.append(dataset_fn(context))
+        refuse_awaitables(
+            iterables,
+            lambda: (
+                f"distribute_datasets_from_function: dataset_fn={dataset_fn!r} returned an "
+                "awaitable; it is called, not awaited, so it must be a plain function "
+                "(def, not async def) returning an iterable or async iterable of batches "
+                "(an async generator is one)."
+            ),
+        )
+        return DistributedDataset(
+            strategy,
+            iterables,
+            options,
+            per_replica_sources=True,
+            where="distribute_datasets_from_function",
+        )
+    except BaseException:
+        # A call of dataset_fn raised, or returned what cannot be read: nobody will
+        # read what the others returned, so close it, as reading it would have.
+        _close_iterators(iterables)
+        raise
+
+
+def _close_iterators(objects: list) -> None:
+    """Close the sync iterators among ``objects`` (generators, open files, readers
+    with ``close()``: one-shot sources, which aiodist closes once it has read them),
+    all of them, also when closing one raises: then the first error is raised. An
+    iterable that is not its own iterator is not closed (reading opens a new
+    iterator of it: its ``iter()``), nor an async iterator (its ``aclose()`` would
+    need a loop; an async generator not yet started holds nothing to release)."""
+    error: Exception | None = None
+    for obj in objects:
+        close = getattr(obj, "close", None)
+        if getattr(type(obj), "__next__", None) is not None and callable(close):
+            try:
+                close()
+            except Exception as exc:
+                error = error or exc
+    if error is not None:
+        raise error

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import aiodist
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -357,3 +358,90 @@ def test_an_iterator_dropped_after_its_loop_closed_raises_nothing(two, monkeypat
     kept.clear()
     gc.collect()
     assert [u.exc_value for u in unraisable if u.exc_type is RuntimeError] == []
+
+
+class _Reader:
+    """An iterator holding a resource until closed (an open file, a loader's
+    worker), sync or async; ``log`` records its opening and closing."""
+
+    def __init__(self, replica, log):
+        self.replica, self.log = replica, log
+        log.append(("open", replica))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return np.full(2, float(self.replica))
+
+    def close(self):
+        self.log.append(("close", self.replica))
+
+
+class _AsyncReader(_Reader):
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return np.full(2, float(self.replica))
+
+    async def aclose(self):
+        await asyncio.sleep(0)  # releasing it takes a loop step (a connection, ...)
+        self.log.append(("close", self.replica))
+
+    __iter__ = __next__ = close = None  # async only
+
+
+class _Opens:
+    """An iterable whose ``iter()`` opens a reader (replica 2's raises)."""
+
+    reader = _Reader
+
+    def __init__(self, replica, log):
+        self.replica, self.log = replica, log
+
+    def __iter__(self):
+        if self.replica == 2:
+            raise OSError("cannot open shard 2")
+        return self.reader(self.replica, self.log)
+
+
+class _AsyncOpens(_Opens):
+    reader = _AsyncReader
+    __aiter__ = _Opens.__iter__
+    __iter__ = None
+
+
+@pytest.mark.parametrize(
+    "how", ["dataset_fn raises", "not iterable", "iter raises", "aiter raises", "for, iter raises"]
+)
+async def test_sources_opened_for_replicas_are_closed_when_another_cannot_open(three, how):
+    """PER_REPLICA: when calling dataset_fn for replica 2 (or opening its source,
+    iter()) raised, the readers already opened for replicas 0 and 1 were left
+    open, by nobody's hand."""
+    log = []
+    options = aiodist.InputOptions(experimental_replication_mode="PER_REPLICA")
+
+    def dataset_fn(context):
+        replica = context.input_pipeline_id
+        if how == "dataset_fn raises":
+            if replica == 2:
+                raise OSError("cannot open shard 2")
+            return _Reader(replica, log)
+        if how == "not iterable":
+            return 42 if replica == 2 else _Reader(replica, log)
+        return (_AsyncOpens if how == "aiter raises" else _Opens)(replica, log)
+
+    if how in ("dataset_fn raises", "not iterable"):
+        with pytest.raises(OSError if how == "dataset_fn raises" else aiodist.InvalidArgumentError):
+            three.distribute_datasets_from_function(dataset_fn, options)
+    else:
+        dataset = three.distribute_datasets_from_function(dataset_fn, options)
+        with pytest.raises(OSError, match="cannot open shard 2"):
+            if how == "for, iter raises":
+                next(iter(dataset))
+            else:
+                await anext(aiter(dataset))
+        await wait_until(lambda: len(log) == 4, "the readers closed")
+    assert sorted(log) == [("close", 0), ("close", 1), ("open", 0), ("open", 1)]
+    assert not _producers()
