@@ -27,8 +27,11 @@ source; ``aclose()`` or ``async with`` do the same explicitly. After
 ``aclose()`` the iteration is over, as an async generator's: batches fetched
 ahead are dropped, and every ``anext`` (one already waiting included) raises
 ``StopAsyncIteration``; an error the source raises while it is closed is raised
-by ``aclose()``, once. Exceptions from the user's dataset reach the
-``async for`` unchanged.
+by ``aclose()``, once. A source that runs out is closed before the consumer is
+told, so an error closing it ends the ``async for`` (as one raised in an async
+generator's ``finally`` does); if no consumer was given it, ``aclose()`` raises
+it, or, the iterator dropped, the loop's exception handler reports it.
+Exceptions from the user's dataset reach the ``async for`` unchanged.
 
 On GPUs each shard is copied on its replica's stream, after that stream waits
 for the device's current stream (where the source may make its arrays), and the
@@ -319,6 +322,11 @@ class _Pipeline:
         self._ready: deque = deque()
         self._finished = False  # an "end" or "error" entry was pushed
         self._started = False
+        self._closing = False  # the source ran out and is being closed (_close_at_end)
+        self._abandoned = False  # the iterator was dropped: no consumer is left
+        # An error closing the source at its end that no consumer has been given
+        # yet: aclose() raises it, or abandon() reports it.
+        self.close_error: Exception | None = None
         self._waiters: list[asyncio.Future] = []
         self.task = asyncio.get_running_loop().create_task(self._produce())
 
@@ -349,13 +357,29 @@ class _Pipeline:
                 if tracer is not None:
                     tracer.span("prefetch", "input", _trace.input_track(lane), start, end)
                 if not more:
-                    self._push(("end", None))
+                    await self._close_at_end()
                     return
                 self._push(("item", element))
         finally:
             if not self._finished:  # stopped early (aclose, break): consumers see the end
                 self._push(("end", None))
+            if not self._closing:
+                await self._close()
+
+    async def _close_at_end(self) -> None:
+        """The source ran out: close it before the consumers see the end, so that
+        an error closing it ends their loop (as an error in an async generator's
+        ``finally`` ends the loop over it), instead of reaching aclose() only."""
+        self._closing = True  # cancel() lets the closing finish
+        try:
             await self._close()
+        except Exception as exc:
+            self.close_error = exc
+            self._push(("error", exc))  # (behind the end, unread, if stopped meanwhile)
+            if self._abandoned:
+                self._report_close_error()
+        else:
+            self._push(("end", None))
 
     def _push(self, entry: tuple) -> None:
         self._ready.append(entry)
@@ -377,6 +401,8 @@ class _Pipeline:
             return value
         self._ready.appendleft((kind, value))  # stay exhausted / failed
         if kind == "error":
+            if value is self.close_error:
+                self.close_error = None  # given to a consumer: reported
             raise value
         raise StopAsyncIteration
 
@@ -385,11 +411,31 @@ class _Pipeline:
         now. The producer closes the source; one cancelled before its first step
         would never run its ``finally``, so that one is left to start, see the
         end and only close the source."""
-        producing = not self._finished  # else it ended, failed or was stopped: closing
+        # Else it ended, failed or was stopped, and closes the source (or has).
+        producing = not (self._finished or self._closing)
         self._ready.clear()
         self._push(("end", None))
         if producing and self._started:
             self.task.cancel()
+
+    def abandon(self) -> None:
+        """Its iterator was dropped: stop, and report an error closing the source
+        that no consumer was given to the loop's exception handler, as asyncio
+        reports one raised closing an async generator that nobody closed."""
+        self._abandoned = True
+        self.cancel()
+        self._report_close_error()
+
+    def _report_close_error(self) -> None:
+        error, self.close_error = self.close_error, None
+        if error is not None:
+            self.task.get_loop().call_exception_handler(
+                {
+                    "message": "closing the source of a distributed dataset raised, after "
+                    "the iteration over it had been dropped",
+                    "exception": error,
+                }
+            )
 
 
 class DistributedIterator:
@@ -423,7 +469,8 @@ class DistributedIterator:
         The iteration is over: batches fetched ahead are dropped, and ``anext``
         raises ``StopAsyncIteration`` (in a consumer waiting for one, too). An
         error raised while closing the source is raised here (once), as an async
-        generator's ``aclose()`` raises it."""
+        generator's ``aclose()`` raises it (unless ``anext`` raised it already:
+        the source ran out, and closing it failed)."""
         first = not self._closed
         self._closed = True
         if first and self._sync_source is not None:  # read by a plain `for` so far
@@ -434,6 +481,10 @@ class DistributedIterator:
             [outcome] = await asyncio.gather(self._pipeline.task, return_exceptions=True)
             if first and isinstance(outcome, Exception):  # (not the CancelledError)
                 raise outcome
+            # Closed at the source's end, and failed, unseen by any consumer.
+            error, self._pipeline.close_error = self._pipeline.close_error, None
+            if first and error is not None:
+                raise error
 
     async def __aenter__(self) -> DistributedIterator:
         return self
@@ -446,7 +497,7 @@ class DistributedIterator:
         # cancelling its tasks) can schedule nothing more: asyncio itself reports
         # the pending task; cancelling it here would raise "Event loop is closed".
         if self._pipeline is not None and not self._pipeline.task.get_loop().is_closed():
-            self._pipeline.cancel()
+            self._pipeline.abandon()
 
     # plain iteration, on demand
     def __iter__(self) -> DistributedIterator:

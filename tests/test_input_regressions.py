@@ -445,3 +445,95 @@ async def test_sources_opened_for_replicas_are_closed_when_another_cannot_open(t
         await wait_until(lambda: len(log) == 4, "the readers closed")
     assert sorted(log) == [("close", 0), ("close", 1), ("open", 0), ("open", 1)]
     assert not _producers()
+
+
+class _FailsToClose:
+    """A reader of three batches whose closing fails (sync ``close()``, or async
+    ``aclose()`` that first waits for ``release``)."""
+
+    def __init__(self, failure, release=None):
+        self.failure, self.release, self.read, self.closing = failure, release, 0, False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = self.step()
+        if batch is None:
+            raise StopIteration
+        return batch
+
+    def step(self):
+        self.read += 1
+        return np.full(2, float(self.read)) if self.read <= 3 else None
+
+    def close(self):
+        self.closing = True
+        raise self.failure
+
+
+class _FailsToAclose(_FailsToClose):
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        batch = self.step()
+        if batch is None:
+            raise StopAsyncIteration
+        return batch
+
+    async def aclose(self):
+        self.closing = True
+        await self.release.wait()
+        raise self.failure
+
+    __iter__ = __next__ = close = None  # async only
+
+
+@pytest.mark.parametrize("how", ["async for", "aclose", "dropped", "dropped while closing"])
+async def test_an_error_closing_the_source_at_its_end_is_raised_once(two, how):
+    """The source ran out and closing it raised: the `async for` ended normally
+    and the error was only in the producer task, so asyncio logged "Task exception
+    was never retrieved" (unless aclose() was called). Now it ends the consumer's
+    loop, as an error in an async generator's `finally` does; aclose() raises it
+    when no consumer saw it, and a dropped iterator has it reported to the loop's
+    exception handler, once in every case."""
+    failure = OSError("could not release the reader")
+    reported = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda loop, context: reported.append(context.get("exception")))
+    release = asyncio.Event()
+    if how == "dropped while closing":
+        reader = _FailsToAclose(failure, release)
+    else:
+        release.set()
+        reader = _FailsToAclose(failure, release) if how == "aclose" else _FailsToClose(failure)
+    iterator = aiter(two.experimental_distribute_dataset(reader))
+    try:
+        if how == "async for":
+            with pytest.raises(OSError) as info:
+                async for _ in iterator:
+                    pass
+            assert info.value is failure
+            await iterator.aclose()  # seen by the consumer: not raised again
+        else:
+            for _ in range(3):  # every batch, but not the end
+                await anext(iterator)
+            await wait_until(lambda: reader.closing, "the source closing")
+            if how == "aclose":
+                with pytest.raises(OSError) as info:
+                    await iterator.aclose()
+                assert info.value is failure
+                await iterator.aclose()
+            else:
+                del iterator
+                gc.collect()
+                release.set()
+                await wait_until(lambda: reported, "the error reported")
+        await wait_until(lambda: not _producers(), "the producer finished")
+        gc.collect()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert reported == ([failure] if how.startswith("dropped") else [])
+    finally:
+        loop.set_exception_handler(None)
