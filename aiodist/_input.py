@@ -307,6 +307,13 @@ class _Source:
 
 # -- the pipeline --------------------------------------------------------------------
 
+# The producer tasks not yet done. A loop holds its tasks weakly, and a producer
+# waiting for room in its buffer is held only through its pipeline, which only its
+# iterator holds: an iterator freed by the cyclic GC (one in a reference cycle)
+# would take its producer with it, pending ("Task was destroyed but it is
+# pending!"), the source's async cleanup cut short, instead of having it cancelled.
+_producing: set[asyncio.Task] = set()
+
 
 class _Pipeline:
     """The producer side of one iteration: fetch, split, place, bounded prefetch.
@@ -329,6 +336,8 @@ class _Pipeline:
         self.close_error: Exception | None = None
         self._waiters: list[asyncio.Future] = []
         self.task = asyncio.get_running_loop().create_task(self._produce())
+        _producing.add(self.task)
+        self.task.add_done_callback(_producing.discard)
 
     async def _produce(self) -> None:
         self._started = True
@@ -493,10 +502,15 @@ class DistributedIterator:
         await self.aclose()
 
     def __del__(self) -> None:
-        # A loop closed with the producer still pending (loop.close() without
-        # cancelling its tasks) can schedule nothing more: asyncio itself reports
-        # the pending task; cancelling it here would raise "Event loop is closed".
-        if self._pipeline is not None and not self._pipeline.task.get_loop().is_closed():
+        if self._pipeline is None:
+            return
+        if self._pipeline.task.get_loop().is_closed():
+            # A loop closed with the producer still pending (loop.close() without
+            # cancelling its tasks) can schedule nothing more: asyncio itself reports
+            # the pending task once it is freed; cancelling it here would raise
+            # "Event loop is closed".
+            _producing.discard(self._pipeline.task)
+        else:
             self._pipeline.abandon()
 
     # plain iteration, on demand

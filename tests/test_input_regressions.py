@@ -537,3 +537,45 @@ async def test_an_error_closing_the_source_at_its_end_is_raised_once(two, how):
         assert reported == ([failure] if how.startswith("dropped") else [])
     finally:
         loop.set_exception_handler(None)
+
+
+class _Holder:
+    """Something holding an iterator in a reference cycle: only the cyclic GC frees it."""
+
+    def __init__(self, iterator):
+        self.iterator, self.me = iterator, self
+
+
+async def test_an_iterator_freed_by_the_cyclic_gc_closes_its_source_on_the_loop(two):
+    """The producer, waiting for room in its buffer, was garbage together with an
+    iterator in a reference cycle: asyncio logged "Task was destroyed but it is
+    pending!", and the source's async cleanup was cut short at its first await
+    ("coroutine ignored GeneratorExit", the cleanup never finished)."""
+    reported, unraisable, cleaned, yielded = [], [], asyncio.Event(), []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda loop, context: reported.append(context["message"]))
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+
+    async def source():
+        try:
+            while True:
+                yielded.append(True)
+                yield np.zeros(2)
+        finally:
+            await asyncio.sleep(0)  # an async cleanup (closing a connection, ...)
+            cleaned.set()
+
+    try:
+        holder = _Holder(aiter(two.experimental_distribute_dataset(source())))
+        await anext(holder.iterator)
+        # The next batch fetched ahead: the producer waits for room in the buffer.
+        await wait_until(lambda: len(yielded) == 2, "the producer waiting")
+        del holder
+        gc.collect()
+        await asyncio.wait_for(cleaned.wait(), 2)
+        await wait_until(lambda: not _producers(), "the producer finished")
+        gc.collect()
+    finally:
+        loop.set_exception_handler(None)
+        sys.unraisablehook = hook
+    assert reported == [] and unraisable == []
