@@ -48,6 +48,7 @@ so its CPU shards are views of the source's batch, copied by nobody.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import enum
 import operator
@@ -502,16 +503,29 @@ class DistributedIterator:
         await self.aclose()
 
     def __del__(self) -> None:
-        if self._pipeline is None:
+        pipeline = self._pipeline
+        if pipeline is None:
             return
-        if self._pipeline.task.get_loop().is_closed():
+        loop = pipeline.task.get_loop()
+        if loop.is_closed():
             # A loop closed with the producer still pending (loop.close() without
             # cancelling its tasks) can schedule nothing more: asyncio itself reports
             # the pending task once it is freed; cancelling it here would raise
             # "Event loop is closed".
-            _producing.discard(self._pipeline.task)
+            _producing.discard(pipeline.task)
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            pipeline.abandon()
         else:
-            self._pipeline.abandon()
+            # The cyclic GC runs __del__ in whichever thread it collects in, and a
+            # loop may be driven only from its own thread: cancelling the producer
+            # from another one could leave the loop asleep, never running it.
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(pipeline.abandon)
 
     # plain iteration, on demand
     def __iter__(self) -> DistributedIterator:

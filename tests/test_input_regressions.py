@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -579,3 +580,40 @@ async def test_an_iterator_freed_by_the_cyclic_gc_closes_its_source_on_the_loop(
         loop.set_exception_handler(None)
         sys.unraisablehook = hook
     assert reported == [] and unraisable == []
+
+
+async def test_an_iterator_freed_in_another_thread_stops_its_producer_on_the_loop(two):
+    """The cyclic GC runs __del__ in whichever thread collects: it cancelled the
+    producer from that thread, which asyncio in debug mode refuses ("Non-thread-
+    safe operation ..."; the producer then never stopped), and which otherwise
+    did not wake a sleeping loop (uvloop never ran the cancellation at all)."""
+    unraisable, cleaned, yielded = [], asyncio.Event(), []
+    loop = asyncio.get_running_loop()
+    debug, hook = loop.get_debug(), sys.unraisablehook
+    loop.set_debug(True)  # (asyncio checks the thread of loop calls in debug mode)
+    sys.unraisablehook = unraisable.append
+
+    async def source():
+        try:
+            while True:
+                yielded.append(True)
+                yield np.zeros(2)
+        finally:
+            cleaned.set()
+
+    gc.disable()  # collected by the other thread only
+    try:
+        holder = _Holder(aiter(two.experimental_distribute_dataset(source())))
+        await anext(holder.iterator)
+        await wait_until(lambda: len(yielded) == 2, "the producer waiting")
+        del holder
+        collector = threading.Thread(target=gc.collect)
+        collector.start()
+        await asyncio.wait_for(cleaned.wait(), 2)  # the loop sleeps meanwhile
+        await wait_until(lambda: not _producers(), "the producer finished")
+        collector.join()
+    finally:
+        gc.enable()
+        loop.set_debug(debug)
+        sys.unraisablehook = hook
+    assert [u.exc_value for u in unraisable] == []
