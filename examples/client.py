@@ -17,7 +17,9 @@ import json
 async def http(port: int, method: str, path: str, body: bytes | None = None):
     """One HTTP/1.1 request on a fresh connection; (status, parsed JSON body), or
     (status, body text) when the body is not JSON (a 404 or 405 from the framework,
-    a 500 page)."""
+    a 500 page). Raises ``ConnectionError`` when the server closes the connection
+    without a reply, and ``ValueError`` when its reply is not HTTP."""
+    where = f"{method} {path} to 127.0.0.1:{port}"
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
@@ -30,8 +32,16 @@ async def http(port: int, method: str, path: str, body: bytes | None = None):
         writer.close()
         with contextlib.suppress(ConnectionError):
             await writer.wait_closed()
+    if not raw:
+        raise ConnectionError(f"{where}: the server closed the connection without replying")
     header, _, payload = raw.partition(b"\r\n\r\n")
-    status = int(header.split(b" ", 2)[1])
+    status_line = header.split(b"\r\n", 1)[0]
+    parts = status_line.split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
+        raise ValueError(
+            f"{where}: the reply does not start with an HTTP status line: {raw[:80]!r}"
+        )
+    status = int(parts[1])
     try:
         return status, json.loads(payload)
     except ValueError:  # (UnicodeDecodeError included)

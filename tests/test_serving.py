@@ -441,6 +441,32 @@ async def test_the_client_returns_a_body_that_is_not_json_as_text():
         assert await http(port, "GET", "/predict") == (405, "Method Not Allowed")
 
 
+async def test_the_client_names_a_server_that_hangs_up_or_replies_garbage():
+    """A server that closed the connection without a reply (or replied with
+    something that is not HTTP) made the client raise a bare IndexError."""
+
+    async def serve_one(reply: bytes):
+        async def handler(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(reply)
+            writer.close()
+
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        return server, server.sockets[0].getsockname()[1]
+
+    for reply, error, message in (
+        (b"", ConnectionError, "the server closed the connection without replying"),
+        (b"hello\r\n\r\n", ValueError, "the reply does not start with an HTTP status line"),
+    ):
+        server, port = await serve_one(reply)
+        try:
+            with pytest.raises(error, match=rf"GET /healthz to 127.0.0.1:{port}: {message}"):
+                await http(port, "GET", "/healthz")
+        finally:
+            server.close()
+            await server.wait_closed()
+
+
 async def test_overload_answers_503_and_recovers():
     options = {"max_queue_rows": 8, "max_rows_per_request": 8, "max_wait_seconds": 0.05}
     async with running_server(**options) as (_, port, _):
