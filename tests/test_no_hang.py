@@ -307,6 +307,69 @@ async def test_sync_merge_fn_raising_cancelled_error_fails_the_run(two):
     assert sorted(errors) == [0, 1]
 
 
+@pytest.mark.parametrize("raised", ["CancelledError", "StopIteration", "async StopIteration"])
+async def test_merge_fn_raising_what_no_await_can_receive_is_as_documented(two, raised):
+    """docs/errors.md#rendezvouserror: a merge_fn raising CancelledError or
+    StopIteration fails every replica's merge_call with a RendezvousError caused by
+    it; in an async merge_fn Python turns StopIteration into a RuntimeError, which
+    every replica raises as merge_fn's exception."""
+    original = asyncio.CancelledError() if raised == "CancelledError" else StopIteration()
+
+    def merge_fn(strategy):
+        raise original
+
+    async def async_merge_fn(strategy):
+        raise original
+
+    seen = []
+
+    async def fn():
+        try:
+            merge = async_merge_fn if raised.startswith("async") else merge_fn
+            await aiodist.get_replica_context().merge_call(merge)
+        except Exception as exc:
+            seen.append(exc)
+            raise
+
+    if raised.startswith("async"):
+        with pytest.raises(RuntimeError, match="coroutine raised StopIteration") as info:
+            await two.run(fn)
+        assert not isinstance(info.value, aiodist.AiodistError)
+    else:
+        errors, failure = await run_collecting(two, fn)
+        assert sorted(errors) == [0, 1]
+        assert type(failure) is aiodist.RendezvousError
+        assert f"the cross-replica code raised {raised}" in str(failure)
+        assert failure.__cause__ is original
+    assert len(seen) == 2 and seen[0] is seen[1]
+
+
+async def test_a_replica_cancelled_by_another_task_fails_the_run_as_documented(three):
+    """docs/errors.md#replicaexitederror: a replica's task cancelled by something
+    other than its run (here another task, while the others wait in a collective)
+    fails the run with ReplicaExitedError, the other replicas cancelled."""
+    tasks, cancelled = {}, []
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        tasks[rid()] = asyncio.current_task()
+        try:
+            return await ctx.all_reduce("sum", 1.0) if rid() != 1 else await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(rid())
+            raise
+
+    async def watchdog():
+        await wait_until(lambda: len(tasks) == 3, "every replica started")
+        tasks[1].cancel()
+
+    watching = asyncio.create_task(watchdog())
+    with pytest.raises(aiodist.ReplicaExitedError, match="replica 1 was cancelled by something"):
+        await three.run(fn)
+    await watching
+    assert sorted(cancelled) == [0, 1, 2]
+
+
 async def test_merge_fn_exception_reaches_every_replica_uncaught(three):
     boom = LookupError("merge_fn failed")
     seen = []
