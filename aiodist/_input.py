@@ -31,7 +31,16 @@ by ``aclose()``, once. A source that runs out is closed before the consumer is
 told, so an error closing it ends the ``async for`` (as one raised in an async
 generator's ``finally`` does); if no consumer was given it, ``aclose()`` raises
 it, or, the iterator dropped, the loop's exception handler reports it.
-Exceptions from the user's dataset reach the ``async for`` unchanged.
+
+Errors: exceptions from the user's dataset reach the ``async for`` unchanged,
+and end the iteration as failed, not as exhausted: every later ``anext`` (in
+any consumer of the iterator) raises the same exception object again, where an
+async generator that raised would raise ``StopAsyncIteration``. So a consumer
+that catches the error and reads on, or a second consumer of the iterator,
+cannot take a failed input for a complete one. (TF's ``DistributedIterator``
+documents nothing after an error.) A plain ``for`` reads the source on demand:
+after an error it gets whatever the source gives next (a generator that raised
+has ended: ``StopIteration``).
 
 On GPUs each shard is copied on its replica's stream, after that stream waits
 for the device's current stream (where the source may make its arrays), and the
@@ -547,7 +556,15 @@ class DistributedIterator:
 
 class DistributedDataset:
     """What ``experimental_distribute_dataset`` and ``distribute_datasets_from_function``
-    return: iterate it with ``async for`` (prefetched) or ``for`` (sync sources)."""
+    return: iterate it with ``async for`` (prefetched) or ``for`` (sync sources).
+
+    Each ``async for`` (each ``aiter()``) is a new pass that opens the source
+    again. An exception the source raises (or raises while being closed at its
+    end) reaches the ``async for`` as the same object; the pass has then failed,
+    and every later ``anext`` on that iterator raises that object again rather
+    than ``StopAsyncIteration``, so a failed input is never taken for a complete
+    one. ``aclose()`` (or ``async with``) ends a pass early and closes the source.
+    """
 
     def __init__(
         self,

@@ -190,6 +190,29 @@ async def test_dataset_exception_propagates_unchanged(two):
     await wait_until(lambda: not producer_tasks(), "producer finished")
 
 
+async def test_after_a_source_error_every_anext_raises_it_again(two):
+    """As documented (DistributedDataset): a failed pass stays failed, in every
+    consumer, where an async generator would end; a plain ``for`` asks the source."""
+    boom = OSError("disk gone")
+
+    def source():
+        yield np.arange(2)
+        raise boom
+
+    iterator = aiter(two.experimental_distribute_dataset(source()))
+    await anext(iterator)
+    for _ in range(3):
+        with pytest.raises(OSError) as info:
+            await anext(iterator)
+        assert info.value is boom
+    iterator = iter(two.experimental_distribute_dataset(source()))
+    next(iterator)
+    with pytest.raises(OSError):
+        next(iterator)
+    with pytest.raises(StopIteration):  # the generator has ended
+        next(iterator)
+
+
 @pytest.mark.parametrize(
     ("element", "message"),
     [
