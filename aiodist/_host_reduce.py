@@ -16,7 +16,9 @@ result a user still holds never changes. This saves the page faults of a fresh
 allocation on every step: the C allocator gives large freed blocks back to the
 system and faults them in again (measured here: a 100 x 1 KiB batched
 all-reduce took 300 or 460 us per step depending on where the heap happened to
-end, before its buffers were reused).
+end, before its buffers were reused). The pool keeps about ``RESULTS_MAX_BYTES``
+per thread, forgetting the shapes used least recently first, so a stream of new
+shapes (variable-length batches) does not keep a buffer for each of them.
 
 ``pack`` packs lists of leaves into scratch memory before they are reduced; the
 packed arrays never leave the reduction, so that memory is reused from call to
@@ -44,6 +46,7 @@ __all__ = [
     "BLOCK_BYTES",
     "PARALLEL_MIN_BYTES",
     "POOL_MIN_BYTES",
+    "RESULTS_MAX_BYTES",
     "combine",
     "combine_scalars",
     "pack",
@@ -52,6 +55,9 @@ __all__ = [
 
 POOL_MIN_BYTES = 1 << 16  # from here, results go to pooled buffers, reduced in blocks
 SCRATCH_MAX_BYTES = 1 << 26  # pack buffers kept per thread, at most
+# Result buffers kept per thread, at most (beyond the shape just used): without a
+# bound, every new shape (a variable-length batch) added buffers kept forever.
+RESULTS_MAX_BYTES = 1 << 28
 PARALLEL_MIN_BYTES = 1 << 22  # from here, several cores (below, threads cost more)
 # Bytes per block: the size of one core's L2 cache on the 2-core machine of the
 # benchmarks (AMD EPYC, 1 MiB each, with 32 MiB of L3 behind them). Measured there,
@@ -101,14 +107,26 @@ _UNREFERENCED = _unreferenced_count()
 
 
 class _Buffers:
-    """Result buffers by (shape, dtype), reused once nothing refers to them."""
+    """Result buffers by (shape, dtype), reused once nothing refers to them.
 
-    def __init__(self, per_key: int = 2):
+    At most ``per_key`` buffers per key, and about ``max_bytes`` in all: past that,
+    the keys used least recently are forgotten (their buffers live on only in the
+    results that still hold them), except the one just used.
+    """
+
+    def __init__(self, per_key: int = 2, max_bytes: int = RESULTS_MAX_BYTES):
         self._per_key = per_key
+        self._max_bytes = max_bytes
+        self._bytes = 0  # held by the buckets
+        # Buckets from the least to the most recently used (dicts keep insertion order).
         self._free: dict[tuple, list[np.ndarray]] = {}
 
     def take(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
-        bucket = self._free.setdefault((shape, dtype.str), [])
+        key = (shape, dtype.str)
+        bucket = self._free.pop(key, None)
+        if bucket is None:
+            bucket = []
+        self._free[key] = bucket  # now the most recently used
         for buffer in bucket:
             # References: the bucket's, and what this loop and the call add (see
             # _unreferenced_count). Anything more is a result view someone still holds.
@@ -116,11 +134,19 @@ class _Buffers:
                 if buffer.flags.writeable:
                     return buffer
                 bucket.remove(buffer)  # someone froze it: never hand it out again
+                self._bytes -= buffer.nbytes
                 break
         buffer = np.empty(shape, dtype)
         if len(bucket) < self._per_key:
             bucket.append(buffer)
+            self._bytes += buffer.nbytes
+            self._forget_least_recent()
         return buffer
+
+    def _forget_least_recent(self) -> None:
+        while self._bytes > self._max_bytes and len(self._free) > 1:
+            oldest = next(iter(self._free))
+            self._bytes -= sum(buffer.nbytes for buffer in self._free.pop(oldest))
 
 
 _local = threading.local()

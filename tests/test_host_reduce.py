@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,7 @@ from aiodist._host_reduce import (
     BLOCK_BYTES,
     PARALLEL_MIN_BYTES,
     POOL_MIN_BYTES,
+    RESULTS_MAX_BYTES,
     SCRATCH_MAX_BYTES,
     combine,
     pack,
@@ -56,6 +59,20 @@ def test_buffer_reused_only_when_no_result_is_held():
     assert fourth is not view.base and fourth is not second  # live results pin their buffers
     fourth[:] = 0
     np.testing.assert_array_equal(view, 2)
+
+
+def test_result_buffers_of_ever_new_shapes_are_not_all_kept():
+    # Variable-length batches: a new shape at every step. The pool used to keep a
+    # buffer for each shape forever (1.1 GiB after 300 steps of about 4 MiB each).
+    size = PARALLEL_MIN_BYTES // 4  # float32 elements, 4 MiB
+    steps = 2 * RESULTS_MAX_BYTES // PARALLEL_MIN_BYTES
+    source = np.ones(size + steps, dtype=np.float32)
+    alive = []
+    for step in range(steps):
+        part = source[: size + step]
+        alive.append(weakref.ref(combine(np.add, [part, part])))  # result dropped at once
+    kept = sum(ref() is not None for ref in alive)
+    assert kept <= RESULTS_MAX_BYTES // PARALLEL_MIN_BYTES + 1 < steps
 
 
 async def test_held_all_reduce_results_never_change(num_replicas):
