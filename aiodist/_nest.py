@@ -1,9 +1,12 @@
 """Nested structures: lists, tuples, namedtuples and dicts of leaves.
 
 Everything else is a leaf (arrays, scalars, None, DistributedValues, ...). Dict
-entries are visited in sorted key order (insertion order when the keys do not
-sort), so two dicts with the same keys flatten alike whatever order they were
-built in.
+entries are visited in sorted key order, so two dicts with the same keys flatten
+alike whatever order they were built in. Keys that do not sort together (an int
+and a str; TF's nest refuses them) are ordered by their type's name, then by
+value, or by ``repr`` where even that fails: an order that still does not depend
+on the insertion order, so replicas that build one dict in different orders
+agree on its leaves (their all_reduce matches).
 """
 
 from __future__ import annotations
@@ -38,8 +41,22 @@ def _is_namedtuple(value: object) -> bool:
 def _keys(mapping: dict) -> list:
     try:
         return sorted(mapping)
+    except TypeError:  # keys of several types: see the module docstring
+        pass
+    try:
+        return sorted(mapping, key=_by_type_then_value)
     except TypeError:
-        return list(mapping)
+        return sorted(mapping, key=_by_type_then_repr)
+
+
+def _by_type_then_value(key: object) -> tuple:
+    kind = type(key)
+    return (kind.__module__, kind.__qualname__, key)
+
+
+def _by_type_then_repr(key: object) -> tuple:
+    kind = type(key)
+    return (kind.__module__, kind.__qualname__, repr(key))
 
 
 def children(value: list | tuple | dict) -> list:

@@ -419,8 +419,8 @@ def _regroup_nested(values: Sequence[object], devices: Any, what: str, path: str
             "must produce the same nesting of lists, tuples and dicts."
         )
     if isinstance(first, dict):
-        # Every replica's children in the first's key order: keys that cannot be
-        # sorted are visited in insertion order, which may differ between replicas.
+        # Every replica's children in the order of the first's keys (by key: a
+        # replica's dict may have been built in another order).
         keys = _nest.children({k: k for k in first})
         per_child = [[value[key] for key in keys] for value in values]
     else:

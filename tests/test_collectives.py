@@ -264,6 +264,29 @@ async def test_all_reduce_nested_structure_keeps_structure_and_dtypes(strategy, 
         np.testing.assert_array_equal(t0[i], [num_replicas])
 
 
+async def test_collectives_of_dicts_whose_keys_do_not_sort_built_in_any_order(two):
+    """Keys that do not sort together (an int and a str) flattened in insertion order,
+    so replicas building one dict in different orders had different structures: a
+    CollectiveMismatchError showing two equal dicts. They now flatten alike."""
+
+    async def fn():
+        r = rid()
+        one, x = np.full(1, r + 1.0), np.full(2, 10.0 * r)
+        value = {1: one, "x": x} if r == 0 else {"x": x, 1: one}
+        ctx = aiodist.get_replica_context()
+        reduced = await ctx.all_reduce("sum", value)
+        assert list(reduced) == list(value)  # each replica's dict in its own order
+        return reduced, await ctx.all_gather(value, axis=0)
+
+    reduced, gathered = await two.run(fn)
+    for part in local(two, reduced):
+        np.testing.assert_array_equal(part[1], [3.0])
+        np.testing.assert_array_equal(part["x"], [10.0, 10.0])
+    for part in local(two, gathered):
+        np.testing.assert_array_equal(part[1], [1.0, 2.0])
+        np.testing.assert_array_equal(part["x"], [0.0, 0.0, 10.0, 10.0])
+
+
 async def test_all_reduce_python_scalars_and_mean_of_ints(two):
     async def fn():
         ctx = aiodist.get_replica_context()
