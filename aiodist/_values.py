@@ -211,6 +211,8 @@ _NESTED = (list, tuple, dict)
 def _describe(value: object) -> str:
     if isinstance(value, dict):
         return f"dict with keys {sorted(map(repr, value))}"
+    if _nest._is_namedtuple(value):  # its fields: two classes may share a name
+        return f"{type(value).__name__}({', '.join(map(str, type(value)._fields))})"
     if isinstance(value, list | tuple):
         return f"{type(value).__name__} of {len(value)}"
     return f"a leaf ({type(value).__name__})"
@@ -337,7 +339,16 @@ def _regroup_flat(values: Sequence[object], kind: type | None, devices: Any) -> 
 def _same_container(a: object, b: object) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and set(a) == set(b)
-    return type(a) is type(b) and len(a) == len(b)
+    if type(a) is not type(b):
+        # As in TF's nest: namedtuples of one name and fields nest alike, so a class
+        # made inside the replica function (one per replica) regroups.
+        return (
+            _nest._is_namedtuple(a)
+            and _nest._is_namedtuple(b)
+            and type(a).__name__ == type(b).__name__
+            and type(a)._fields == type(b)._fields
+        )
+    return len(a) == len(b)
 
 
 def regroup(

@@ -207,6 +207,38 @@ async def test_mismatched_result_structures_raise_naming_replicas(two):
         await two.run(fn)
 
 
+async def test_namedtuple_classes_made_per_replica_regroup_as_in_tf(two):
+    """A namedtuple class made inside the replica function is one class per replica:
+    regrouping its results (or merge_call args) refused them as different structures
+    whose descriptions read alike ("Out of 2"; "Out of 2"). As TF's nest does,
+    namedtuples of one name and fields nest alike; other fields still raise, and say
+    which."""
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        rid = ctx.replica_id_in_sync_group
+        Out = collections.namedtuple("Out", "loss acc")
+        merged = await ctx.merge_call(
+            lambda strategy, out: two.experimental_local_results(out.loss), args=(Out(rid, 1),)
+        )
+        return Out(np.full(1, rid), merged)
+
+    result = await two.run(fn)
+    assert type(result).__name__ == "Out" and result._fields == ("loss", "acc")
+    assert [int(v[0]) for v in two.experimental_local_results(result.loss)] == [0, 1]
+    assert two.experimental_local_results(result.acc) == ((0, 1), (0, 1))
+
+    async def other_fields():
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        return collections.namedtuple("Out", "loss acc" if rid == 0 else "loss top1")(1, 2)
+
+    with pytest.raises(
+        aiodist.InvalidArgumentError,
+        match=r"replica 0: Out\(loss, acc\); replica 1: Out\(loss, top1\)",
+    ):
+        await two.run(other_fields)
+
+
 async def test_a_leaf_against_a_container_raises_naming_replicas(two):
     # A leaf on one replica where another has a list, in a result and in merge_call
     # args: the structure error, not a TypeError from comparing the leaf's length.
