@@ -547,6 +547,20 @@ class _Holder:
         self.iterator, self.me = iterator, self
 
 
+async def _endless(yielded: list, cleaned: asyncio.Event, cleanup_awaits: bool = False):
+    """An endless async source noting each element it yields in ``yielded``;
+    ``cleaned`` is set once its cleanup has run (an await first, with
+    ``cleanup_awaits``: an async cleanup, such as closing a connection)."""
+    try:
+        while True:
+            yielded.append(True)
+            yield np.zeros(2)
+    finally:
+        if cleanup_awaits:
+            await asyncio.sleep(0)
+        cleaned.set()
+
+
 async def test_an_iterator_freed_by_the_cyclic_gc_closes_its_source_on_the_loop(two):
     """The producer, waiting for room in its buffer, was garbage together with an
     iterator in a reference cycle: asyncio logged "Task was destroyed but it is
@@ -557,17 +571,9 @@ async def test_an_iterator_freed_by_the_cyclic_gc_closes_its_source_on_the_loop(
     loop.set_exception_handler(lambda loop, context: reported.append(context["message"]))
     hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
 
-    async def source():
-        try:
-            while True:
-                yielded.append(True)
-                yield np.zeros(2)
-        finally:
-            await asyncio.sleep(0)  # an async cleanup (closing a connection, ...)
-            cleaned.set()
-
     try:
-        holder = _Holder(aiter(two.experimental_distribute_dataset(source())))
+        source = _endless(yielded, cleaned, cleanup_awaits=True)
+        holder = _Holder(aiter(two.experimental_distribute_dataset(source)))
         await anext(holder.iterator)
         # The next batch fetched ahead: the producer waits for room in the buffer.
         await wait_until(lambda: len(yielded) == 2, "the producer waiting")
@@ -593,17 +599,9 @@ async def test_an_iterator_freed_in_another_thread_stops_its_producer_on_the_loo
     loop.set_debug(True)  # (asyncio checks the thread of loop calls in debug mode)
     sys.unraisablehook = unraisable.append
 
-    async def source():
-        try:
-            while True:
-                yielded.append(True)
-                yield np.zeros(2)
-        finally:
-            cleaned.set()
-
     gc.disable()  # collected by the other thread only
     try:
-        holder = _Holder(aiter(two.experimental_distribute_dataset(source())))
+        holder = _Holder(aiter(two.experimental_distribute_dataset(_endless(yielded, cleaned))))
         await anext(holder.iterator)
         await wait_until(lambda: len(yielded) == 2, "the producer waiting")
         del holder
