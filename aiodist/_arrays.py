@@ -17,6 +17,7 @@ __all__ = [
     "as_axis",
     "check_reducible",
     "gather_axis",
+    "leaf_path",
     "leaf_text",
     "mean_of_sum",
     "mean_operand",
@@ -25,6 +26,8 @@ __all__ = [
 
 # dtype kinds that can be reduced: signed/unsigned ints, floats, complex; bool for MIN/MAX.
 _NUMERIC_KINDS = frozenset("iufc")
+
+_UNKNOWN = object()  # check_reducible's structure when the caller has none (None is one)
 
 
 def leaf_text(array: Any) -> str:
@@ -49,13 +52,64 @@ def structure_text(value: object, arrays: list, limit: int = 160) -> str:
     return text
 
 
-def check_reducible(op: ReduceOp, array: Any, where: str) -> None:
-    """Raise ``InvalidArgumentError`` when ``op`` cannot reduce ``array``'s dtype."""
+def _step(parent: object, key: object) -> str:
+    """One step of a path: ``['name']`` into a dict, ``[3]`` into a list or tuple,
+    ``.name`` into a namedtuple."""
+    fields = getattr(type(parent), "_fields", None)
+    if isinstance(parent, tuple) and fields is not None and type(key) is int:
+        return f".{fields[key]}"
+    return f"[{key!r}]"
+
+
+def _entries(node: list | tuple | dict) -> list[tuple[object, object]]:
+    """``(key, child)`` pairs of a nested value, in ``_nest``'s visiting order."""
+    if isinstance(node, dict):
+        return [(key, node[key]) for key in _nest.dict_keys(node)]
+    return list(enumerate(node))
+
+
+def _a(leaf: object) -> str:
+    """``a NoneType``, ``a set``: a leaf's type, for a message."""
+    name = type(leaf).__name__
+    return f"{'an' if name[:1] in 'aeiouAEIOU' else 'a'} {name}"
+
+
+def leaf_path(value: object, index: int) -> tuple[str, object]:
+    """The path (``['a'][1]``) of leaf number ``index`` of ``value``, in flattening
+    order, and that leaf. For error messages only: it walks the structure."""
+    count = 0
+
+    def visit(node: object, path: str) -> tuple[str, object] | None:
+        nonlocal count
+        if not _nest.is_nested(node):
+            count += 1
+            return (path, node) if count - 1 == index else None
+        for key, child in _entries(node):
+            found = visit(child, path + _step(node, key))
+            if found is not None:
+                return found
+        return None
+
+    return visit(value, "") or ("", value)
+
+
+def check_reducible(
+    op: ReduceOp, array: Any, where: str, structure: object = _UNKNOWN, index: int = 0
+) -> None:
+    """Raise ``InvalidArgumentError`` when ``op`` cannot reduce ``array``'s dtype.
+
+    ``structure``: the nested value ``array`` is leaf number ``index`` of, if any;
+    the message then names the leaf's path and type.
+    """
     kind = array.dtype.kind
     if kind in _NUMERIC_KINDS or (kind == "b" and op in (ReduceOp.MIN, ReduceOp.MAX)):
         return
+    at = ""
+    if structure is not _UNKNOWN:
+        path, leaf = leaf_path(structure, index)
+        at = f" (the leaf at {path}: {_a(leaf)})" if path else f" ({_a(leaf)})"
     raise InvalidArgumentError(
-        f"{where}: cannot reduce values of dtype {array.dtype} with {op.name}; expected "
+        f"{where}: cannot reduce values of dtype {array.dtype} with {op.name}{at}; expected "
         "numeric arrays or scalars (integers, floats, complex; bool only with MIN/MAX). "
         "Convert the value first, e.g. x.astype(np.int32)."
     )

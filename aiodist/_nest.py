@@ -20,6 +20,7 @@ __all__ = [
     "all_of_type",
     "any_nested",
     "children",
+    "dict_keys",
     "flatten",
     "flatten_with_skeleton",
     "is_nested",
@@ -47,6 +48,9 @@ def _keys(mapping: dict) -> list:
         return sorted(mapping, key=_by_type_then_value)
     except TypeError:
         return sorted(mapping, key=_by_type_then_repr)
+
+
+dict_keys = _keys  # a dict's keys in visiting order (for error messages' paths)
 
 
 def _by_type_then_value(key: object) -> tuple:

@@ -332,8 +332,9 @@ class ReplicaContext:
                 distinct = {dtypes[0]} if dtypes[0] not in reducible else ()
             else:
                 distinct = set(dtypes) - reducible
-            for dtype in distinct:
-                check_reducible(op, arrays[dtypes.index(dtype)], self._where("all_reduce"))
+            for dtype in distinct:  # (a dtype not seen before: not every step)
+                index = dtypes.index(dtype)  # its first leaf, named if it is refused
+                check_reducible(op, arrays[index], self._where("all_reduce"), value, index)
                 reducible.add(dtype)
             key = (op, skeleton, dtypes, tuple(map(_SHAPE, arrays)))
             value = _as_passed(value, skeleton, arrays)
@@ -347,7 +348,7 @@ class ReplicaContext:
             key = (op, array.dtype, array.shape)
             signature = _ONE_ARRAY.get(key)
             if signature is None:
-                signature = self._one_array_signature(key, array)
+                signature = self._one_array_signature(key, array, value)
             if array is value and type(value) in _NUMERIC_SCALARS:  # on the host, as is
                 by_type = _HOST_SCALARS.get(reduce_op)
                 if by_type is None:
@@ -415,11 +416,11 @@ class ReplicaContext:
             "cross-replica context use strategy.reduce() or strategy.extended.reduce_to()."
         )
 
-    def _one_array_signature(self, key: tuple, array: Any) -> Signature:
-        """The signature of all-reducing one array (``key``: op, dtype, shape), checked
-        reducible once and kept in ``_ONE_ARRAY``."""
+    def _one_array_signature(self, key: tuple, array: Any, value: Any) -> Signature:
+        """The signature of all-reducing one array (``key``: op, dtype, shape; ``value``:
+        as passed, named if refused), checked reducible once and kept in ``_ONE_ARRAY``."""
         op = key[0]
-        check_reducible(op, array, self._where("all_reduce"))
+        check_reducible(op, array, self._where("all_reduce"), value)
         if len(_ONE_ARRAY) >= _ONE_ARRAY_LIMIT:  # many shapes: start afresh
             _ONE_ARRAY.clear()
         signature = _ONE_ARRAY[key] = Signature(

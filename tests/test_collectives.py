@@ -482,6 +482,34 @@ async def test_bad_reduce_op_and_dtype(two):
         await two.run(bad_dtype)
 
 
+class _Point:
+    """A leaf all_reduce cannot reduce (NumPy makes it a dtype-object array)."""
+
+
+@pytest.mark.parametrize(
+    ("leaf", "type_name"),
+    [(None, "a NoneType"), ({1, 2}, "a set"), (_Point(), "a _Point"), ("abc", "a str")],
+    ids=["None", "set", "object", "str"],
+)
+async def test_an_unreducible_leaf_is_named_by_its_path_and_type(two, leaf, type_name):
+    # The message said only "cannot reduce values of dtype object": nothing told the
+    # user which of a structure's leaves it was.
+    async def fn():
+        value = {"a": [np.ones(2), {"b": leaf}], "c": np.zeros(3)}
+        return await aiodist.get_replica_context().all_reduce("sum", value)
+
+    path = re.escape("['a'][1]['b']")
+    expected = rf"cannot reduce values of dtype \S+ with SUM \(the leaf at {path}: {type_name}\)"
+    with pytest.raises(aiodist.InvalidArgumentError, match=expected):
+        await two.run(fn)
+
+    async def top_level():
+        return await aiodist.get_replica_context().all_reduce("sum", leaf)
+
+    with pytest.raises(aiodist.InvalidArgumentError, match=rf"with SUM \({type_name}\)"):
+        await two.run(top_level)
+
+
 def test_reduce_op_strings_any_case():
     assert aiodist.ReduceOp("sum") is aiodist.ReduceOp.SUM
     assert aiodist.ReduceOp("Product") is aiodist.ReduceOp.PRODUCT
