@@ -7,6 +7,7 @@ They work on any array type with NumPy's attributes (``dtype``, ``shape``,
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
 from . import _nest
@@ -16,6 +17,7 @@ from ._ops import ReduceOp
 __all__ = [
     "as_axis",
     "check_reducible",
+    "first_difference",
     "gather_axis",
     "leaf_path",
     "leaf_text",
@@ -91,6 +93,66 @@ def leaf_path(value: object, index: int) -> tuple[str, object]:
         return None
 
     return visit(value, "") or ("", value)
+
+
+def _node_text(node: object) -> str:
+    """``a dict of 3``, ``a list of 2``, or ``float32[3]`` for a leaf."""
+    if isinstance(node, dict):
+        return f"a dict of {len(node)}"
+    if isinstance(node, list | tuple):
+        return f"a {type(node).__name__} of {len(node)}"
+    return leaf_text(node)
+
+
+def first_difference(
+    first: object,
+    other: object,
+    keys: tuple[Callable[[Any], object], Callable[[Any], object]] = (leaf_text, leaf_text),
+) -> tuple[str, str, str] | None:
+    """Where two structures of arrays first differ, in ``_nest``'s visiting order:
+    ``(path, what first has there, what other has there)``; None where they agree.
+
+    A leaf of ``first`` and one of ``other`` agree when ``keys[0]`` and ``keys[1]``
+    give equal values for them (by default their ``leaf_text``, dtype and shape);
+    they are shown as ``leaf_text``. A key or item that one structure lacks reads
+    ``missing``. For error messages only: it walks both structures.
+    """
+
+    def visit(a: object, b: object, path: str) -> tuple[str, str, str] | None:
+        nested_a, nested_b = _nest.is_nested(a), _nest.is_nested(b)
+        if not nested_a and not nested_b:
+            if keys[0](a) == keys[1](b):
+                return None
+            return (path, leaf_text(a), leaf_text(b))
+        if not nested_a or not nested_b or type(a) is not type(b):
+            return (path, _node_text(a), _node_text(b))
+        entries_a, entries_b = _entries(a), _entries(b)
+        if isinstance(a, dict):
+            # Over both dicts' keys in visiting order: the first that one of them
+            # lacks, or under which they differ.
+            keys_b = dict(entries_b)
+            keys_a = dict(entries_a)
+            for key in _nest.dict_keys({**keys_a, **keys_b}):
+                if key not in keys_b:
+                    return (path + _step(a, key), _node_text(keys_a[key]), "missing")
+                if key not in keys_a:
+                    return (path + _step(b, key), "missing", _node_text(keys_b[key]))
+                found = visit(keys_a[key], keys_b[key], path + _step(a, key))
+                if found is not None:
+                    return found
+            return None
+        for (key, child_a), (_, child_b) in zip(entries_a, entries_b, strict=False):
+            found = visit(child_a, child_b, path + _step(a, key))
+            if found is not None:
+                return found
+        if len(entries_a) != len(entries_b):
+            key = min(len(entries_a), len(entries_b))
+            text_a = _node_text(a[key]) if key < len(a) else "missing"
+            text_b = _node_text(b[key]) if key < len(b) else "missing"
+            return (path + _step(a, key), text_a, text_b)
+        return None
+
+    return visit(first, other, "")
 
 
 def check_reducible(

@@ -87,6 +87,25 @@ class Signature(NamedTuple):
     def text(self) -> str:
         return self.describe if isinstance(self.describe, str) else self.describe()
 
+    def difference(self, other: Signature) -> tuple[str, str, str] | None:
+        """Where ``other``'s arguments first differ from this one's, for a mismatch
+        message: ``(where, what this one has there, what other has)``; None when
+        that cannot be said. The describers say it (this module knows nothing of
+        arrays): when both are partials of one function with a ``difference``
+        attribute, that is called with the two partials' arguments."""
+        mine, theirs = self.describe, other.describe
+        if not (
+            isinstance(mine, partial) and isinstance(theirs, partial) and mine.func is theirs.func
+        ):
+            return None
+        difference = getattr(mine.func, "difference", None)
+        if difference is None:
+            return None
+        try:
+            return difference(mine.args, theirs.args)
+        except Exception:  # a hint: it must not hide the mismatch itself
+            return None
+
     def __repr__(self) -> str:
         return f"Signature({self.text})"
 
@@ -678,6 +697,16 @@ class Rendezvous:
         calls = f"{_replicas(matched)} called {first}; replica {odd} called {other}"
         missing = self._missing(call)
         not_yet = f" ({_replicas(missing)} not arrived yet)" if missing else ""
+        # Long structures' texts are cut short, and may read alike where they differ:
+        # name the first place where they do.
+        difference = call.first.difference(signature)
+        if difference is not None:
+            where, theirs, its = difference
+            where = f"at {where}" if where else "at the top level"
+            calls += (
+                f"; they first differ {where}: {theirs} on {_replicas(matched)}, "
+                f"{its} on replica {odd}"
+            )
         return (
             f"collective #{call.number} does not match across replicas: {calls}{not_yet}; "
             f"{_ORDER_HINT}, with the same reduce op, structure, shapes and dtypes."

@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _context, _nest, _trace
-from ._arrays import as_axis, check_reducible, gather_axis, leaf_text, structure_text
+from ._arrays import (
+    as_axis,
+    check_reducible,
+    first_difference,
+    gather_axis,
+    leaf_text,
+    structure_text,
+)
 from ._backends import cpu_backend
 from ._checks import not_callable
 from ._errors import ContextError, InvalidArgumentError
@@ -534,6 +541,36 @@ def _all_reduce_text(op: ReduceOp, value: Any, arrays: list) -> str:
 
 def _all_gather_text(axis: int, value: Any, arrays: list) -> str:
     return f"all_gather(axis={axis}, {structure_text(value, arrays)})"
+
+
+def _all_reduce_difference(first: tuple, other: tuple) -> tuple[str, str, str] | None:
+    """Where two replicas' all_reduce arguments (``_all_reduce_text``'s) first differ,
+    for the rendezvous's mismatch message (see ``Signature.difference``)."""
+    (_, value, arrays), (_, other_value, other_arrays) = first, other
+    return first_difference(_nest.pack_as(value, arrays), _nest.pack_as(other_value, other_arrays))
+
+
+def _all_gather_difference(first: tuple, other: tuple) -> tuple[str, str, str] | None:
+    """As ``_all_reduce_difference``, for all_gather: shapes may differ along the axis."""
+    (axis, value, arrays), (other_axis, other_value, other_arrays) = first, other
+
+    def along(axis: int) -> Callable[[Any], object]:
+        def key(array: Any) -> object:  # dtype and shape, the gathered axis left out
+            along = axis % array.ndim if -array.ndim <= axis < array.ndim else None
+            return array.dtype, tuple(-1 if i == along else n for i, n in enumerate(array.shape))
+
+        return key
+
+    return first_difference(
+        _nest.pack_as(value, arrays),
+        _nest.pack_as(other_value, other_arrays),
+        (along(axis), along(other_axis)),
+    )
+
+
+# (Error paths only: Signature.difference reads them when replicas' calls differ.)
+_all_reduce_text.difference = _all_reduce_difference  # type: ignore[attr-defined]
+_all_gather_text.difference = _all_gather_difference  # type: ignore[attr-defined]
 
 
 def _merge_text(merge_fn: Callable) -> str:

@@ -510,6 +510,89 @@ async def test_an_unreducible_leaf_is_named_by_its_path_and_type(two, leaf, type
         await two.run(top_level)
 
 
+def _layers(change: str) -> dict:
+    """300 float32 arrays by name; on replica 1, ``change`` applied to 'layer150'."""
+    value = {f"layer{i}": np.zeros((2, 3), np.float32) for i in range(300)}
+    if rid() == 1:
+        if change == "shape":
+            value["layer150"] = np.zeros((2, 4), np.float32)
+        elif change == "dtype":
+            value["layer150"] = np.zeros((2, 3), np.float64)
+        else:
+            del value["layer150"]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("change", "theirs"),
+    [("shape", "float32[2, 4]"), ("dtype", "float64[2, 3]"), ("missing", "missing")],
+)
+async def test_a_mismatch_of_long_structures_names_where_they_first_differ(two, change, theirs):
+    # Each replica's call is shown cut at 160 characters: for 300 arrays both read
+    # "{'layer0': float32[2, 3], ... 'lay…", and the message did not say where they differ.
+    async def fn():
+        return await aiodist.get_replica_context().all_reduce("sum", _layers(change))
+
+    with pytest.raises(aiodist.CollectiveMismatchError) as info:
+        await two.run(fn)
+    message = str(info.value)
+    assert "replica 0 called all_reduce(SUM, {'layer0': float32[2, 3]" in message  # as before
+    expected = (
+        f"they first differ at ['layer150']: float32[2, 3] on replica 0, {theirs} on replica 1"
+    )
+    assert expected in message
+
+    async def gather():  # the same for all_gather, where the gathered axis may differ
+        value = _layers(change)
+        value["layer7"] = np.zeros((2 + rid(), 3), np.float32)
+        return await aiodist.get_replica_context().all_gather(value, axis=0)
+
+    with pytest.raises(aiodist.CollectiveMismatchError) as info:
+        await two.run(gather)
+    assert expected in str(info.value)
+
+
+async def test_a_mismatch_of_nested_lists_names_the_path_of_the_difference(two):
+    async def fn():
+        value = [[np.zeros(2), np.zeros(2)] for _ in range(40)]
+        if rid() == 1:
+            value[3][1] = np.zeros(2, np.int64)
+            value[30].append(np.zeros(2))  # a later difference: not the first
+        return await aiodist.get_replica_context().all_reduce("max", value)
+
+    with pytest.raises(
+        aiodist.CollectiveMismatchError,
+        match=re.escape(
+            "they first differ at [3][1]: float64[2] on replica 0, int64[2] on replica 1"
+        ),
+    ):
+        await two.run(fn)
+
+    async def longer():
+        value = {"a": [np.zeros(2)] * (3 + rid()), "b": ()}
+        return await aiodist.get_replica_context().all_reduce("max", value)
+
+    with pytest.raises(
+        aiodist.CollectiveMismatchError,
+        match=re.escape(
+            "they first differ at ['a'][3]: missing on replica 0, float64[2] on replica 1"
+        ),
+    ):
+        await two.run(longer)
+
+    async def another_kind():
+        value = {"a": [np.zeros(2)], "b": {"c": np.zeros(2)} if rid() else [np.zeros(2)]}
+        return await aiodist.get_replica_context().all_reduce("max", value)
+
+    with pytest.raises(
+        aiodist.CollectiveMismatchError,
+        match=re.escape(
+            "they first differ at ['b']: a list of 1 on replica 0, a dict of 1 on replica 1"
+        ),
+    ):
+        await two.run(another_kind)
+
+
 def test_reduce_op_strings_any_case():
     assert aiodist.ReduceOp("sum") is aiodist.ReduceOp.SUM
     assert aiodist.ReduceOp("Product") is aiodist.ReduceOp.PRODUCT
