@@ -553,44 +553,33 @@ async def test_a_mismatch_of_long_structures_names_where_they_first_differ(two, 
 
 
 async def test_a_mismatch_of_nested_lists_names_the_path_of_the_difference(two):
-    async def fn():
+    def leaf_differs():
         value = [[np.zeros(2), np.zeros(2)] for _ in range(40)]
         if rid() == 1:
             value[3][1] = np.zeros(2, np.int64)
             value[30].append(np.zeros(2))  # a later difference: not the first
-        return await aiodist.get_replica_context().all_reduce("max", value)
+        return value
 
-    with pytest.raises(
-        aiodist.CollectiveMismatchError,
-        match=re.escape(
-            "they first differ at [3][1]: float64[2] on replica 0, int64[2] on replica 1"
+    cases = [
+        (leaf_differs, "[3][1]: float64[2] on replica 0, int64[2] on replica 1"),
+        (
+            lambda: {"a": [np.zeros(2)] * (3 + rid()), "b": ()},
+            "['a'][3]: missing on replica 0, float64[2] on replica 1",
         ),
-    ):
-        await two.run(fn)
-
-    async def longer():
-        value = {"a": [np.zeros(2)] * (3 + rid()), "b": ()}
-        return await aiodist.get_replica_context().all_reduce("max", value)
-
-    with pytest.raises(
-        aiodist.CollectiveMismatchError,
-        match=re.escape(
-            "they first differ at ['a'][3]: missing on replica 0, float64[2] on replica 1"
+        (
+            lambda: {"a": [np.zeros(2)], "b": {"c": np.zeros(2)} if rid() else [np.zeros(2)]},
+            "['b']: a list of 1 on replica 0, a dict of 1 on replica 1",
         ),
-    ):
-        await two.run(longer)
+    ]
+    for make, where in cases:
 
-    async def another_kind():
-        value = {"a": [np.zeros(2)], "b": {"c": np.zeros(2)} if rid() else [np.zeros(2)]}
-        return await aiodist.get_replica_context().all_reduce("max", value)
+        async def fn(make=make):
+            return await aiodist.get_replica_context().all_reduce("max", make())
 
-    with pytest.raises(
-        aiodist.CollectiveMismatchError,
-        match=re.escape(
-            "they first differ at ['b']: a list of 1 on replica 0, a dict of 1 on replica 1"
-        ),
-    ):
-        await two.run(another_kind)
+        with pytest.raises(
+            aiodist.CollectiveMismatchError, match=re.escape(f"they first differ at {where}")
+        ):
+            await two.run(fn)
 
 
 def test_reduce_op_strings_any_case():
