@@ -625,13 +625,9 @@ class MirroredVariable(Variable):
         def merge_fn(strategy: Any, per_replica: Any) -> None:
             parts = _replica_values(strategy, per_replica)
             try:
-                if self._on_streams:
-                    # The one value every copy takes, as _write_every_copy gives it, less
-                    # _per_copy's copy to the host: on GPUs the aggregate stays there.
-                    aggregate = self._aggregate_on_device(kind, parts)
-                    self._write_copies(kind, [aggregate] * len(self._values))
-                else:
-                    self._write_every_copy(kind, self._aggregate(kind, parts))
+                # The one value every copy takes (not through _per_copy, which copies
+                # it to the host: on GPUs the aggregate stays on the device).
+                self._write_copies(kind, [self._aggregate(kind, parts)] * len(self._values))
             except (TypeError, ValueError) as error:
                 self._refuse_non_numbers(kind, parts, error)
                 raise
@@ -726,26 +722,21 @@ class MirroredVariable(Variable):
         )
 
     def _aggregate(self, kind: str, parts: Sequence[Any]) -> Any:
-        if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
-            return host_array(parts[0])
-        arrays = self._shaped(kind, [np.asarray(host_array(p)) for p in parts])
-        if self._exact_mean_of(arrays):
-            n = len(arrays)
-            return _mean_of_sums(*_integer_sums(arrays, n), n, self.dtype)
-        op = ReduceOp.SUM if self._aggregation is VariableAggregation.SUM else ReduceOp.MEAN
-        ops = self._strategy.extended._cross_device_ops
-        return host_array(ops._reduce_arrays(op, arrays, _HOST))
-
-    def _aggregate_on_device(self, kind: str, parts: Sequence[Any]) -> Any:
-        """``_aggregate`` on GPUs: reduced on the first copy's device and issued on the
-        current streams (a merge_fn's cross streams, ordered after the replicas' work).
-        Never through the host: a copy to it waits for the GPU on the event loop,
+        """The replicas' values (``parts``) combined by the variable's aggregation: on
+        CPU devices, a host array; on GPUs, on the first copy's device, issued on the
+        current streams (a merge_fn's cross streams, ordered after the replicas' work)
+        and never through the host: a copy to it waits for the GPU on the event loop,
         which a rendezvous must not do (SPEC 7, docs/gpu.md)."""
         if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
-            return parts[0]  # (_replace_copies places it on every copy's device)
-        target = self._devices[0]
-        backend = backend_for(target)
-        arrays = [backend.asarray(p, target) for p in parts]
+            # (On GPUs, _replace_copies places it on every copy's device.)
+            return parts[0] if self._on_streams else host_array(parts[0])
+        if self._on_streams:
+            target = self._devices[0]
+            backend = backend_for(target)
+            arrays = [backend.asarray(p, target) for p in parts]
+        else:
+            target, backend = _HOST, backend_for(_HOST)
+            arrays = [np.asarray(host_array(p)) for p in parts]
         arrays = self._shaped(kind, arrays, xp=backend.xp)
         if self._exact_mean_of(arrays):
             n = len(arrays)
