@@ -239,7 +239,10 @@ class Scope:
                         break
                 del entries[i]
                 return
-        raise ContextError(f"{self!r} was left by a task or thread that did not enter it.")
+        raise ContextError(
+            f"{self!r} was left by a task or thread that did not enter it; leave a "
+            "`with strategy.scope():` block in the task or thread that entered it."
+        )
 
 
 def _entrant() -> tuple[int, Any]:

@@ -822,8 +822,7 @@ class RunGroup:
         # The replicas' failures are the run's to report (it raises the first): each
         # marked retrieved, so asyncio does not log them again as never retrieved.
         for task in self._tasks:
-            if not task.cancelled():
-                task.exception()
+            _mark_retrieved(task)
         if cancelled is not None:
             raise cancelled
 

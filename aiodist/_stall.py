@@ -197,10 +197,8 @@ class Watchdog:
             for row in due:
                 if row.running_since is None:
                     logger.warning(_report(group, row, now))
-                elif row.name == "merge_call":
+                else:  # a merge_call's merge_fn, still running (see Rendezvous._run_on)
                     logger.warning(_running_report(group, row, now))
-                # (Other work still running after every replica arrived is a multi-worker
-                # collective's exchange, which has stall reports of its own.)
             next_due = min(next_due, group_next)
         if next_due < math.inf:
             self.ensure(next_due)

@@ -432,7 +432,7 @@ def _regroup_nested(values: Sequence[object], devices: Any, what: str, path: str
     if isinstance(first, dict):
         # Every replica's children in the order of the first's keys (by key: a
         # replica's dict may have been built in another order).
-        keys = _nest.children({k: k for k in first})
+        keys = _nest.dict_keys(first)
         per_child = [[value[key] for key in keys] for value in values]
     else:
         keys = None

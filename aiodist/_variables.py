@@ -516,29 +516,24 @@ class Variable:
 
     async def assign(self, value: Any) -> Variable:
         """Set the value (see the module docs for how replicas combine)."""
-        self._require_own_strategy()
-        try:
-            return await self._write("assign", value)
-        except (TypeError, ValueError) as error:
-            _refuse_non_numbers(f"{self._name}.assign", value, self.dtype, error)
-            raise
+        return await self._checked_write("assign", value)
 
     async def assign_add(self, value: Any) -> Variable:
         """Add to the value (see the module docs for how replicas combine)."""
-        self._require_own_strategy()
-        try:
-            return await self._write("assign_add", value)
-        except (TypeError, ValueError) as error:
-            _refuse_non_numbers(f"{self._name}.assign_add", value, self.dtype, error)
-            raise
+        return await self._checked_write("assign_add", value)
 
     async def assign_sub(self, value: Any) -> Variable:
         """Subtract from the value (see the module docs for how replicas combine)."""
+        return await self._checked_write("assign_sub", value)
+
+    async def _checked_write(self, kind: str, value: Any) -> Variable:
+        """``_write``, under this variable's own strategy, with a value that is not
+        numbers named (not NumPy's or Python's own error)."""
         self._require_own_strategy()
         try:
-            return await self._write("assign_sub", value)
+            return await self._write(kind, value)
         except (TypeError, ValueError) as error:
-            _refuse_non_numbers(f"{self._name}.assign_sub", value, self.dtype, error)
+            _refuse_non_numbers(f"{self._name}.{kind}", value, self.dtype, error)
             raise
 
     def _require_own_strategy(self) -> None:
@@ -907,7 +902,7 @@ async def update(
     slots = strategy._slots if strategy is not None else None
     n = len(variable._copy_of)  # replicas: a Mirrored argument has a component for each
     backend = slots[0].backend if slots else None
-    ordered = backend is not None and backend.needs_activation
+    ordered = variable._on_streams  # (GPUs: a backend that needs activation)
     if ordered:
         # GPUs: fn runs on replica streams, which are non-blocking. They first wait for
         # the current streams (where fn's arguments may have been made) and, through

@@ -225,7 +225,9 @@ async def assert_same_on_replicas(
             f"assert_same_on_replicas: replicas={replicas!r}; expected a sequence of one or "
             "more replica counts >= 1, e.g. replicas=(1, 2, 4)."
         )
-    if not (combine in ("concat", "first") or _is_reduce_op(combine)):
+    if not (
+        (isinstance(combine, str) and combine in ("concat", "first")) or _is_reduce_op(combine)
+    ):
         raise InvalidArgumentError(
             f"assert_same_on_replicas: combine={combine!r}; expected 'concat', 'first', or "
             "a reduce op (a ReduceOp, or 'sum', 'mean', 'min', 'max', 'product' in any case)."

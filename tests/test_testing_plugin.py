@@ -269,7 +269,10 @@ _TOLERANCES = (-1e-6, math.nan, math.inf, True, "1e-6", [1e-6])
 
 @pytest.mark.parametrize(
     ("keyword", "value", "expected"),
-    [("combine", v, _COMBINE_EXPECTED) for v in ("concatenate", "First", "avg", None)]
+    [
+        ("combine", v, _COMBINE_EXPECTED)
+        for v in ("concatenate", "First", "avg", None, np.array(["concat", "first"]))
+    ]
     + [("replicas", v, _REPLICAS_EXPECTED) for v in ((), (0, 2), (1, 2.0), (True,), 4, "12")]
     + [(k, v, _TOLERANCE_EXPECTED) for k in ("rtol", "atol") for v in _TOLERANCES],
 )
