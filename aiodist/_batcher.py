@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from . import _nest
-from ._checks import not_callable, seconds, whole_number
+from ._checks import not_callable, seconds, short_repr, whole_number
 from ._errors import AiodistError, InvalidArgumentError
 from ._input import split_batch
 from ._strategy import Strategy
@@ -325,7 +325,7 @@ class Batcher:
             rows = np.asarray(rows)
         except (TypeError, ValueError) as exc:  # rows of different lengths: NumPy's words only
             raise InvalidArgumentError(
-                f"submit: rows={_short(rows)} is not one array ({exc}); expected a 2-D "
+                f"submit: rows={short_repr(rows)} is not one array ({exc}); expected a 2-D "
                 "array with at least one row, every row of one length."
             ) from None
         if rows.ndim != 2 or len(rows) == 0:
@@ -515,9 +515,3 @@ class Batcher:
         # (Replicas given no rows, when the batch has fewer rows than replicas, add
         # none: their empty outputs left out, whatever shape the step gives them.)
         return np.concatenate([p for p, shard in zip(parts, shards, strict=True) if len(shard)])
-
-
-def _short(value: Any) -> str:
-    """``repr(value)``, cut short for a message."""
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:79]}…"

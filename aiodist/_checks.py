@@ -27,6 +27,12 @@ def refuse_awaitables(values: Iterable[Any], message: Callable[[], str]) -> None
         raise InvalidArgumentError(message())
 
 
+def short_repr(value: Any) -> str:
+    """``repr(value)``, cut short for a message."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:79]}…"
+
+
 def not_callable(value: Any, message: str) -> InvalidArgumentError:
     """``InvalidArgumentError(message)`` for ``value``, which is not callable. A
     coroutine object (``fn()`` passed where ``fn`` was meant) is closed, so Python

@@ -44,7 +44,7 @@ import numpy as np
 from . import _context
 from ._arrays import mean_of_sum, mean_operand
 from ._backends import backend_for, host_array, is_cupy_array
-from ._checks import member, not_callable, refuse_awaitables
+from ._checks import member, not_callable, refuse_awaitables, short_repr
 from ._devices import HOST as _HOST
 from ._devices import Device
 from ._errors import AiodistError, ContextError, InvalidArgumentError
@@ -147,15 +147,9 @@ def _refuse_non_numbers(where: str, value: Any, dtype: Any, error: Exception) ->
     why = _not_numbers(value)
     if why is not None:
         raise InvalidArgumentError(
-            f"{where}: value={_short(value)} is not a number or an array of numbers "
+            f"{where}: value={short_repr(value)} is not a number or an array of numbers "
             f"({why}); expected numbers that cast to the variable's dtype {dtype}."
         ) from None
-
-
-def _short(value: Any) -> str:
-    """``repr(value)``, cut short for a message."""
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:79]}…"
 
 
 def _integer_sums(arrays: Sequence[Any], n: int, xp: Any = np) -> tuple[Any, Any]:
@@ -648,7 +642,7 @@ class MirroredVariable(Variable):
         bad = [(first + i, part, _not_numbers(part)) for i, part in enumerate(parts)]
         bad = [(i, part, why) for i, part, why in bad if why is not None]
         if bad:
-            seen = "; ".join(f"replica {i}: {_short(part)} ({why})" for i, part, why in bad)
+            seen = "; ".join(f"replica {i}: {short_repr(part)} ({why})" for i, part, why in bad)
             raise InvalidArgumentError(
                 f"{self._name}.{kind}() in replica context: not a number or an array of "
                 f"numbers ({seen}); every replica must give numbers that cast to the "
