@@ -716,8 +716,11 @@ class _Sources:
         try:
             for iterable in self._iterables:
                 self._sources.append(_Source(iterable, self._where, self._sync))
-        except BaseException:
-            await self.aclose()
+        except BaseException as exc:
+            try:
+                await self.aclose()
+            except Exception as close_error:  # the cause stays what is raised
+                _note_close_error(exc, close_error)
             raise
         return self._sources
 
@@ -823,11 +826,21 @@ def from_function(
             per_replica_sources=True,
             where="distribute_datasets_from_function",
         )
-    except BaseException:
+    except BaseException as exc:
         # A call of dataset_fn raised, or returned what cannot be read: nobody will
         # read what the others returned, so close it, as reading it would have.
-        _close_iterators(iterables)
+        try:
+            _close_iterators(iterables)
+        except Exception as close_error:  # the cause stays what is raised
+            _note_close_error(exc, close_error)
         raise
+
+
+def _note_close_error(exc: BaseException, close_error: Exception) -> None:
+    """Tell, on ``exc`` (what is raised), that closing the sources opened before it
+    failed too: ``close_error`` would otherwise replace it, the cause left only as
+    its ``__context__``."""
+    exc.add_note(f"(closing the sources opened for other replicas also failed: {close_error!r})")
 
 
 def _close_iterators(objects: list) -> None:

@@ -448,6 +448,40 @@ async def test_sources_opened_for_replicas_are_closed_when_another_cannot_open(t
     assert not _producers()
 
 
+class _FailsToCloseReader(_Reader):
+    def close(self):
+        super().close()
+        raise RuntimeError("cannot release the reader")
+
+
+class _OpensFailsToClose(_Opens):
+    reader = _FailsToCloseReader
+
+
+@pytest.mark.parametrize("how", ["dataset_fn raises", "iter raises"])
+async def test_the_cause_is_raised_when_closing_the_other_sources_fails_too(three, how):
+    """Closing the readers opened for replicas 0 and 1 failed while replica 2's
+    error was handled: the close error was raised in its place, the cause left
+    only as its __context__. The cause is raised, the close error noted on it."""
+    log = []
+    options = aiodist.InputOptions(experimental_replication_mode="PER_REPLICA")
+
+    def dataset_fn(context):
+        replica = context.input_pipeline_id
+        if how == "iter raises":
+            return _OpensFailsToClose(replica, log)
+        if replica == 2:
+            raise OSError("cannot open shard 2")
+        return _FailsToCloseReader(replica, log)
+
+    with pytest.raises(OSError, match="cannot open shard 2") as info:
+        dataset = three.distribute_datasets_from_function(dataset_fn, options)
+        await anext(aiter(dataset))
+    assert any("cannot release the reader" in note for note in info.value.__notes__)
+    assert sorted(log) == [("close", 0), ("close", 1), ("open", 0), ("open", 1)]
+    assert not _producers()
+
+
 class _FailsToClose:
     """A reader of three batches whose closing fails (sync ``close()``, or async
     ``aclose()`` that first waits for ``release``)."""
