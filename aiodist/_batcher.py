@@ -234,8 +234,15 @@ class Batcher:
         self._loop_task = self._starting = self._stopping = None
         self._wakeup = self._slots = None
         self._running.clear()
+        self._drop_queue()
+
+    def _drop_queue(self, error: BaseException | None = None) -> None:
+        """Empty the queue: its requests taken (their callers must not uncount their
+        rows again when cancelled), and failed with ``error`` when one is given."""
         for request in self._queue:
             request.taken = True
+        if error is not None:
+            _fail(self._queue, error)
         self._queue.clear()
         self._queued_rows = 0
 
@@ -284,14 +291,9 @@ class Batcher:
                     if not leftover.done():
                         leftover.cancel()
                 self._loop_task = None
-                for request in self._queue:  # answered here: their callers must not
-                    request.taken = True  # uncount their rows again when cancelled
-                _fail(
-                    self._queue,
-                    NotServing("the batcher stopped before this request ran; retry elsewhere."),
+                self._drop_queue(
+                    NotServing("the batcher stopped before this request ran; retry elsewhere.")
                 )
-                self._queue.clear()
-                self._queued_rows = 0
             await asyncio.gather(task, *self._running, return_exceptions=True)
         finally:
             self._stopping = None
