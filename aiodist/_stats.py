@@ -22,9 +22,10 @@ class RendezvousInFlight:
     """One collective call of a run in flight, in one of two states:
 
     - ``"waiting"``: some replicas arrived, those in ``missing`` have not;
-    - ``"running"``: every replica arrived (``missing`` is empty) and the call's
-      cross-replica work has not finished: an async merge_fn still running (for
-      ``running_seconds``), or a multi-worker exchange with the other workers.
+    - ``"running"``: every replica arrived (``missing`` is empty) at a merge_call
+      whose async merge_fn has not finished: it has run for ``running_seconds``.
+      (Only a merge_call is ever running: the other collectives' work is done when
+      the last replica arrives, and a multi-worker exchange is not tracked here.)
 
     ``waiting_seconds`` counts from the first arrival in both. ``merge_fn`` names a
     merge_call's function (``name (file:line)``); None for other collectives.
@@ -41,10 +42,9 @@ class RendezvousInFlight:
 
     def __repr__(self) -> str:
         head = f"<{self.collective} #{self.call_number}"
-        if self.state == "running":
-            what = f"merge_fn {self.merge_fn}" if self.merge_fn is not None else "its work"
+        if self.state == "running":  # (a merge_call's: merge_fn is set, see above)
             return (
-                f"{head} arrived={list(self.arrived)} running: {what} for "
+                f"{head} arrived={list(self.arrived)} running: merge_fn {self.merge_fn} for "
                 f"{self.running_seconds:.3f} s, waiting {self.waiting_seconds:.3f} s>"
             )
         return (
