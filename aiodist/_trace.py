@@ -156,10 +156,11 @@ class Tracer:
     def write(self) -> Path:
         with self._lock:
             events, tracks = list(self._events), set(self._tracks)
-        spans, overlaps = _untangle([e for e in events if e["ph"] == "X"], tracks)
-        events = [e for e in events if e["ph"] != "X"] + spans
-        # In time order, the outer of two spans that start together first.
-        events.sort(key=lambda e: (e["ts"], -e.get("dur", 0.0)))
+        # In time order, the outer of two spans that start together first, and an
+        # instant before a zero-length span at its time: the file's order, and the
+        # order _untangle places the spans in.
+        events.sort(key=lambda e: (e["ts"], -e.get("dur", 0.0), e["ph"] == "X"))
+        events, overlaps = _untangle(events, tracks)
         document = {
             "traceEvents": [
                 {"ph": "M", "name": "process_name", "pid": self.pid, "args": {"name": "aiodist"}},
@@ -178,19 +179,24 @@ class Tracer:
 _NANOSECOND = 1e-3
 
 
-def _untangle(spans: list[dict], tracks: set[int]) -> tuple[list[dict], dict[int, tuple]]:
-    """``spans`` with every one that cannot nest on its track moved to a track beside
-    it: a replica's waits overlap without nesting when it has several collectives in
-    flight at once (started now and awaited later, or awaited together with
-    asyncio.gather), as do async merge_fns whose replicas did not await the one
-    before. Returns the spans and, for each new track id, (its track, overlap
-    number): the first track where the span nests, 1, 2, ..."""
+def _untangle(events: list[dict], tracks: set[int]) -> tuple[list[dict], dict[int, tuple]]:
+    """``events`` (sorted by start, the longer of two that start together first)
+    with every span (complete event) that cannot nest on its track moved to a track
+    beside it: a replica's waits overlap without nesting when it has several
+    collectives in flight at once (started now and awaited later, or awaited
+    together with asyncio.gather), as do async merge_fns whose replicas did not
+    await the one before. Returns the events, in the same order, and, for each new
+    track id, (its track, overlap number): the first track where the span nests, 1,
+    2, ..."""
     layers: dict[int, list[list[float]]] = {}  # track -> per overlap, the open spans' ends
     tids: dict[tuple[int, int], int] = {}  # (track, overlap) -> the new track's id
     # New ids past every lane's (slot 0 of the lane after the last: no other track's)
     next_tid = (max(tracks, default=0) // LANE_STRIDE + 1) * LANE_STRIDE
     placed = []
-    for span in sorted(spans, key=lambda e: (e["ts"], -e["dur"])):
+    for span in events:
+        if span["ph"] != "X":  # an instant event: nothing to nest
+            placed.append(span)
+            continue
         start, end = span["ts"], span["ts"] + span["dur"]
         track = span["tid"]
         stacks = layers.setdefault(track, [])
