@@ -342,8 +342,8 @@ class _Pipeline:
         self._closing = False  # the source ran out and is being closed (_close_at_end)
         self._abandoned = False  # the iterator was dropped: no consumer is left
         # An error closing the source at its end that no consumer has been given
-        # yet: aclose() raises it, or abandon() reports it.
-        self.close_error: Exception | None = None
+        # yet: aclose() raises it, or abandon() reports it (see take_close_error).
+        self._close_error: Exception | None = None
         self._waiters: list[asyncio.Future] = []
         self.task = asyncio.get_running_loop().create_task(self._produce())
         _producing.add(self.task)
@@ -393,7 +393,7 @@ class _Pipeline:
         try:
             await self._close()
         except Exception as exc:
-            self.close_error = exc
+            self._close_error = exc
             self._push(("error", exc))  # (behind the end, unread, if stopped meanwhile)
             if self._abandoned:
                 self._report_close_error()
@@ -420,8 +420,8 @@ class _Pipeline:
             return value
         self._ready.appendleft((kind, value))  # stay exhausted / failed
         if kind == "error":
-            if value is self.close_error:
-                self.close_error = None  # given to a consumer: reported
+            if value is self._close_error:
+                self._close_error = None  # given to a consumer: reported
             raise value
         raise StopAsyncIteration
 
@@ -445,8 +445,14 @@ class _Pipeline:
         self.cancel()
         self._report_close_error()
 
+    def take_close_error(self) -> Exception | None:
+        """The error closing the source at its end that no consumer was given, if
+        any, for the caller to report: from now on it is not reported again."""
+        error, self._close_error = self._close_error, None
+        return error
+
     def _report_close_error(self) -> None:
-        error, self.close_error = self.close_error, None
+        error = self.take_close_error()
         if error is not None:
             self.task.get_loop().call_exception_handler(
                 {
@@ -501,7 +507,7 @@ class DistributedIterator:
             if first and isinstance(outcome, Exception):  # (not the CancelledError)
                 raise outcome
             # Closed at the source's end, and failed, unseen by any consumer.
-            error, self._pipeline.close_error = self._pipeline.close_error, None
+            error = self._pipeline.take_close_error()
             if first and error is not None:
                 raise error
 
