@@ -56,6 +56,7 @@ __all__ = [
     "TEMPLATE",
     "Payload",
     "ReplicaContext",
+    "merge_fn_text",
 ]
 
 
@@ -575,6 +576,15 @@ _all_gather_text.difference = _all_gather_difference  # type: ignore[attr-define
 
 def _merge_text(merge_fn: Callable) -> str:
     return f"merge_call({_function_text(merge_fn)})"
+
+
+def merge_fn_text(payload: Payload) -> str:
+    """The merge_fn of a merge_call's payload as ``name (file:line)``, for statistics
+    and stall reports; never raises (it goes into diagnostics)."""
+    try:
+        return _function_text(payload[MERGE_FN])
+    except Exception:  # a callable whose name cannot be read
+        return object.__repr__(payload[MERGE_FN])
 
 
 def _merge_key(merge_fn: Callable) -> object:

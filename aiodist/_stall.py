@@ -32,7 +32,7 @@ from types import AsyncGeneratorType, CoroutineType, GeneratorType
 from typing import TYPE_CHECKING, Any
 
 from ._rendezvous import InFlight, _replicas
-from ._stats import merge_fn_text
+from ._replica_context import merge_fn_text
 from ._streams import drive, step_through
 
 if TYPE_CHECKING:

@@ -12,9 +12,9 @@ from types import MappingProxyType
 from typing import Any
 
 from ._rendezvous import Tally
-from ._replica_context import _function_text
+from ._replica_context import merge_fn_text
 
-__all__ = ["Counters", "RendezvousInFlight", "Statistics", "merge_fn_text", "snapshot"]
+__all__ = ["Counters", "RendezvousInFlight", "Statistics", "snapshot"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,15 +90,6 @@ class Counters(Tally):
         super().__init__()
         self.runs = 0
         self.bytes_reduced = 0
-
-
-def merge_fn_text(payload: tuple) -> str:
-    """The merge_fn of a merge_call's payload, ``(merge_fn, args, kwargs)``, as
-    ``name (file:line)``; never raises (it goes into diagnostics)."""
-    try:
-        return _function_text(payload[0])
-    except Exception:  # a callable whose name cannot be read
-        return object.__repr__(payload[0])
 
 
 def snapshot(counters: Counters, live_groups: Iterable[Any], now: float) -> Statistics:
