@@ -50,8 +50,9 @@ import numpy as np
 import pytest
 
 from . import _nest
-from ._backends import visible_gpu_count
+from ._backends import backend_for, visible_gpu_count
 from ._checks import whole_number
+from ._devices import Device
 from ._errors import DeviceError, InvalidArgumentError
 from ._input import split_batch
 from ._ops import ReduceOp
@@ -169,8 +170,10 @@ def aiodist_gpu_strategy(aiodist_replicas: int) -> MirroredStrategy:
     (several per GPU if needed); skipped, with the reason, where that cannot run."""
     count = visible_gpu_count()
     if count == 0:
-        try:  # why none: the DeviceError says (no CuPy, CUDA not usable, no GPU) and how
-            MirroredStrategy(["GPU:0"])
+        # Why none: the DeviceError says (no CuPy, CUDA not usable, no GPU) and how to
+        # fix it. The GPU backend raises it, as MirroredStrategy(["GPU:0"]) would.
+        try:
+            backend_for(Device("GPU", 0))
         except DeviceError as exc:
             pytest.skip(f"no GPU visible to CuPy: {exc}")
         pytest.skip("no GPU visible to CuPy")
