@@ -246,7 +246,9 @@ class CrossDeviceOps:
     # -- primitives ----------------------------------------------------------------
 
     def _reduce_arrays(self, op: ReduceOp, arrays: Sequence[Any], target: Device) -> Any:
-        raise NotImplementedError(f"{self!r} cannot reduce: {_NO_REDUCTION}")
+        # Reached only by calling reduce/batch_reduce on these ops directly (a strategy
+        # refuses them, see _check_devices): the same error as a strategy's.
+        raise InvalidArgumentError(f"{self!r} cannot reduce: {_NO_REDUCTION}")
 
     def _gather_device(self, destinations: Sequence[Device]) -> Device:
         return destinations[0]

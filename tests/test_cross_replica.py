@@ -408,9 +408,25 @@ async def test_the_cross_device_ops_base_class_is_refused_when_the_strategy_is_m
         r"expected aiodist.ReductionToOneDevice\(\)",
     ):
         aiodist.MirroredStrategy(["cpu:0", "cpu:1"], cross_device_ops=aiodist.CrossDeviceOps())
+
+
+async def test_the_cross_device_ops_base_class_asked_to_reduce_raises_an_aiodist_error():
+    """Its reduce and batch_reduce, called directly, raised NotImplementedError: not
+    an AiodistError, as docs/errors.md says every error aiodist raises on purpose is,
+    and not the InvalidArgumentError a strategy given the base class raises."""
+    ops = aiodist.CrossDeviceOps()
     value = aiodist.PerReplica([np.ones(2), np.ones(2)])
-    with pytest.raises(NotImplementedError, match=r"CrossDeviceOps\(\) cannot reduce: "):
-        await aiodist.CrossDeviceOps().reduce("sum", value, "cpu:0")
+    for call in (
+        lambda: ops.reduce("sum", value, "cpu:0"),
+        lambda: ops.batch_reduce("sum", [(value, "cpu:0")]),
+    ):
+        with pytest.raises(
+            aiodist.InvalidArgumentError,
+            match=r"CrossDeviceOps\(\) cannot reduce: CrossDeviceOps is the base class, "
+            r"which implements no reduction; expected aiodist.ReductionToOneDevice\(\) or "
+            r"aiodist.NcclAllReduce\(\)",
+        ):
+            await call()
 
 
 async def test_cross_device_ops_broadcast_never_shares_the_callers_array():
