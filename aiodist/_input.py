@@ -317,12 +317,25 @@ class _Source:
 
 # -- the pipeline --------------------------------------------------------------------
 
-# The producer tasks not yet done. A loop holds its tasks weakly, and a producer
-# waiting for room in its buffer is held only through its pipeline, which only its
-# iterator holds: an iterator freed by the cyclic GC (one in a reference cycle)
-# would take its producer with it, pending ("Task was destroyed but it is
-# pending!"), the source's async cleanup cut short, instead of having it cancelled.
-_producing: set[asyncio.Task] = set()
+# The producer tasks not yet done, held by their loop. A loop holds its tasks
+# weakly, and a producer waiting for room in its buffer is held only through its
+# pipeline, which only its iterator holds: an iterator freed by the cyclic GC (one
+# in a reference cycle) would take its producer with it, pending ("Task was
+# destroyed but it is pending!"), the source's async cleanup cut short, instead of
+# having it cancelled. A set on the loop itself (every AbstractEventLoop has an
+# instance dict), not one of this module's, which would keep a loop stopped but
+# never closed alive for ever through its pending producers (and what they hold):
+# a loop nothing else holds is freed with them (asyncio reports those still
+# pending, as it does any task).
+_PRODUCERS = "_aiodist_producers"
+
+
+def _producers_of(loop: asyncio.AbstractEventLoop) -> set[asyncio.Task]:
+    producers = getattr(loop, _PRODUCERS, None)
+    if producers is None:
+        producers = set()
+        setattr(loop, _PRODUCERS, producers)
+    return producers
 
 
 class _Pipeline:
@@ -345,9 +358,11 @@ class _Pipeline:
         # yet: aclose() raises it, or abandon() reports it (see take_close_error).
         self._close_error: Exception | None = None
         self._waiters: list[asyncio.Future] = []
-        self.task = asyncio.get_running_loop().create_task(self._produce())
-        _producing.add(self.task)
-        self.task.add_done_callback(_producing.discard)
+        loop = asyncio.get_running_loop()
+        self.task = loop.create_task(self._produce())
+        producers = _producers_of(loop)
+        producers.add(self.task)
+        self.task.add_done_callback(producers.discard)
 
     async def _produce(self) -> None:
         self._started = True
@@ -527,7 +542,7 @@ class DistributedIterator:
             # cancelling its tasks) can schedule nothing more: asyncio itself reports
             # the pending task once it is freed; cancelling it here would raise
             # "Event loop is closed".
-            _producing.discard(pipeline.task)
+            _producers_of(loop).discard(pipeline.task)
             return
         try:
             running = asyncio.get_running_loop()

@@ -6,6 +6,7 @@ import asyncio
 import gc
 import sys
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -359,6 +360,36 @@ def test_an_iterator_dropped_after_its_loop_closed_raises_nothing(two, monkeypat
     kept.clear()
     gc.collect()
     assert [u.exc_value for u in unraisable if u.exc_type is RuntimeError] == []
+
+
+@pytest.mark.parametrize("where", ["outside the loop", "inside the loop"])
+def test_an_iterator_dropped_on_a_loop_never_closed_lets_the_loop_be_freed(two, where, monkeypatch):
+    """A loop stopped and never closed (run_until_complete, no close), with the
+    producer of a dropped iterator still pending on it: a module-level set of
+    running producers held that task, and through it the loop (and the source),
+    for ever; asyncio itself lets such a loop go with its pending tasks. (asyncio
+    only: a uvloop loop never closed is never freed, producers or not.)"""
+    kept, reported, unraisable = [], [], []
+    # (asyncio warns of the loop and its sockets left unclosed as they are freed)
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+
+    async def main():
+        iterator = aiter(two.experimental_distribute_dataset(np.full(2, i) for i in range(100)))
+        await anext(iterator)
+        if where == "outside the loop":
+            kept.append(iterator)
+        # else dropped here: cancelled, but the loop stops before that runs
+
+    loop = asyncio.new_event_loop()
+    # (where asyncio reports the producer freed pending, as it reports any task)
+    loop.set_exception_handler(lambda loop, context: reported.append(context["message"]))
+    loop.run_until_complete(main())
+    freed = weakref.ref(loop)
+    del loop
+    kept.clear()
+    gc.collect()
+    assert freed() is None
+    assert [u.exc_type for u in unraisable if u.exc_type is not ResourceWarning] == []
 
 
 class _Reader:
