@@ -149,10 +149,29 @@ def _host_views(array: np.ndarray, count: int) -> list[np.ndarray]:
 
 
 def _aliases(result: Any, inputs: Sequence[Any]) -> bool:
-    """Whether ``result`` is one of ``inputs`` or a view of the same memory (NumPy
-    and CuPy views name the array owning their memory as ``base``)."""
-    owner = result if result.base is None else result.base
-    return any(owner is (array if array.base is None else array.base) for array in inputs)
+    """Whether ``result`` is one of ``inputs`` or a view of the same memory: whether
+    it ends its chain of bases (``_owner``) where one of them does."""
+    if result.base is None:
+        # The usual case (a new array), kept cheap: it aliases an input that is it or
+        # views it directly. One over it through a memoryview or another array's
+        # buffer is not looked for: a function would have to reach outside its
+        # arguments to hand back the array behind it.
+        return any(result is array or result is array.base for array in inputs)
+    owner = _owner(result)
+    return any(owner is _owner(array) for array in inputs)
+
+
+def _owner(array: Any) -> Any:
+    """What holds ``array``'s memory: the end of its chain of bases. A NumPy or CuPy
+    view names the array it views as ``base`` (NumPy skips views of views, but not
+    an array over another's buffer: ``np.frombuffer(x)`` of an ``x`` that is itself
+    over a buffer, such as scratch memory or a decoded request body, names ``x``),
+    and a memoryview names what it views as ``obj``."""
+    while True:
+        base = array.obj if type(array) is memoryview else getattr(array, "base", None)
+        if base is None or base is array:  # (an exporter whose "base" is itself)
+            return array
+        array = base
 
 
 def _layout(

@@ -191,6 +191,48 @@ async def test_an_accumulation_fn_returning_an_input_changes_no_replica_value(op
     np.testing.assert_array_equal(inputs[0], [2.0] * 3)
 
 
+def _decoded(values):
+    """An array over a bytearray, as one decoded from a request body (its base is
+    the bytearray, not an array)."""
+    return np.frombuffer(bytearray(np.asarray(values, dtype=np.float64).tobytes()))
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+@pytest.mark.parametrize(
+    ("make", "view"),
+    [
+        (np.array, lambda x: np.frombuffer(x.data, x.dtype)),
+        (_decoded, lambda x: np.frombuffer(x, x.dtype)),
+        (_decoded, lambda x: x.reshape(x.shape)),
+    ],
+    ids=[
+        "frombuffer-of-its-memoryview",
+        "frombuffer-of-a-decoded-input",
+        "view-of-a-decoded-input",
+    ],
+)
+async def test_an_accumulation_fn_returning_a_view_of_an_input_changes_no_replica_value(
+    op, make, view
+):
+    """A view of an input whose base is not the input's base (one over a memoryview,
+    or over an input that is itself over a buffer) was not seen as the input: MEAN
+    divided the caller's array in place, and the results shared its memory."""
+    ops = aiodist.ReductionToOneDevice(accumulation_fn=lambda values: view(values[0]))
+    strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:1"], cross_device_ops=ops)
+    inputs = [make([2.0, 2.0, 2.0]), make([4.0, 4.0, 4.0])]
+
+    async def fn():
+        return await aiodist.get_replica_context().all_reduce(op, inputs[rid()])
+
+    expected = 2.0 if op == "sum" else 1.0  # replica 0's value, as the function says
+    results = [*local(strategy, await strategy.run(fn))]
+    results.append(await strategy.reduce(op, aiodist.PerReplica(inputs), axis=None))
+    for result in results:
+        np.testing.assert_array_equal(result, [expected] * 3)
+        assert not np.shares_memory(result, inputs[0])
+    np.testing.assert_array_equal(inputs[0], [2.0] * 3)
+
+
 @pytest.mark.parametrize(
     "value", [np.ones(5), [np.ones(2), np.ones(3)], [np.ones((2, 2)), np.ones(3)]]
 )
