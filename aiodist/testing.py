@@ -51,7 +51,7 @@ import pytest
 
 from . import _nest
 from ._backends import backend_for, visible_gpu_count
-from ._checks import whole_number
+from ._checks import short_repr, whole_number
 from ._devices import Device
 from ._errors import DeviceError, InvalidArgumentError
 from ._input import split_batch
@@ -202,7 +202,8 @@ async def assert_same_on_replicas(
     it, and each replica calls ``step_fn(its_rows)``. The per-replica results are
     combined by ``combine``:
 
-    - ``"concat"``: concatenated along axis 0 (per-row outputs, e.g. predictions);
+    - ``"concat"``: concatenated along axis 0 (per-row outputs, e.g. predictions;
+      a scalar in the result raises ``InvalidArgumentError``);
     - ``"first"``: replica 0's result (values every replica already agrees on,
       e.g. all-reduced gradients);
     - a reduce op (``"sum"``, ``"mean"``, ``ReduceOp.MAX``, ...): reduced across
@@ -343,6 +344,19 @@ async def _combine(strategy: MirroredStrategy, result: Any, combine: str | Reduc
         return per_replica[0]
     if combine == "concat":
         leaves = [_nest.flatten(part) for part in per_replica]
+        # A scalar has no rows to join (NumPy only said "zero-dimensional arrays
+        # cannot be concatenated"): a per-replica loss or count wants another combine.
+        for replica, part in enumerate(leaves):
+            for index, leaf in enumerate(part):
+                if np.ndim(leaf) == 0:
+                    raise InvalidArgumentError(
+                        f"assert_same_on_replicas: value {index} of the step's result is a "
+                        f"scalar ({short_repr(leaf)} on replica {replica} of "
+                        f"{len(per_replica)}), which combine='concat' cannot join along "
+                        "axis 0; expected per-row outputs (arrays with one row per input "
+                        "row). For per-replica values use combine='sum' (or another reduce "
+                        "op), or combine='first' for values the replicas agree on."
+                    )
         joined = [
             np.concatenate([np.asarray(part[i]) for part in leaves]) for i in range(len(leaves[0]))
         ]

@@ -289,6 +289,22 @@ async def test_assert_same_on_replicas_names_what_combine_and_replicas_take(
         await assert_same_on_replicas(predict, np.ones((4, 2)), **{keyword: value})
 
 
+async def test_concat_of_a_scalar_result_names_the_value_and_the_combines_that_fit():
+    """The default combine joins per-row outputs; a step returning a per-replica
+    scalar (a loss, a count) failed with NumPy's words only ("zero-dimensional
+    arrays cannot be concatenated"), naming neither the value nor the remedy."""
+
+    async def losses(rows):
+        return {"predictions": rows * 2.0, "loss": rows.sum()}
+
+    with pytest.raises(
+        aiodist.InvalidArgumentError,
+        match=r"value 0 of the step's result is a scalar \(np.float64\(66.0\) on replica 0 "
+        r"of 1\), which combine='concat' cannot join.*combine='sum'.*combine='first'",
+    ):
+        await assert_same_on_replicas(losses, np.arange(12.0).reshape(6, 2))
+
+
 @pytest.mark.parametrize("bad", [0, -1, True, 2.0, None, "2"])
 def test_cpu_strategy_names_a_bad_replica_count(bad):
     with pytest.raises(
