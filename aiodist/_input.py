@@ -197,11 +197,21 @@ def _leaf_arrays(
     needs: str = "every leaf of a global batch must be an array whose axis 0 is the batch",
 ) -> list:
     arrays = []
-    for leaf in _nest.flatten(element):
+    leaves = _nest.flatten(element)
+    for leaf in leaves:
         array = leaf if hasattr(leaf, "shape") and hasattr(leaf, "dtype") else np.asarray(leaf)
         if array.ndim == 0:
+            # Rows written as Python lists ([[1.0, 2.0], ...]) nest: each number is a
+            # leaf of its own, and the message named the first one only.
+            rows = (
+                " (a list or tuple is a structure here, each item a leaf of its own, not "
+                "rows of an array: make the batch an array first, np.asarray(batch))"
+                if isinstance(element, list | tuple)
+                and not any(hasattr(other, "shape") for other in leaves)
+                else ""
+            )
             raise InvalidArgumentError(
-                f"{where}: a rank-0 value ({leaf!r}) has no batch axis; {needs}."
+                f"{where}: a rank-0 value ({leaf!r}) has no batch axis{rows}; {needs}."
             )
         arrays.append(array)
     return arrays
@@ -218,21 +228,22 @@ def _local_shards(strategy: Any, element: object) -> list:
     return split_batch(element, strategy.num_replicas_in_sync)[first : first + local]
 
 
-def split_batch(element: object, num_replicas: int) -> list:
+def split_batch(
+    element: object, num_replicas: int, where: str = "experimental_distribute_dataset"
+) -> list:
     """One structure per replica, each leaf's rows split as evenly as possible.
 
     Earlier replicas take the extra rows; a replica gets zero rows when the
-    batch has fewer rows than there are replicas.
+    batch has fewer rows than there are replicas. ``where`` names the caller in
+    messages (the API the user called).
     """
-    arrays = _leaf_arrays(element, "experimental_distribute_dataset")
+    arrays = _leaf_arrays(element, where)
     if not arrays:
-        raise InvalidArgumentError(
-            f"experimental_distribute_dataset: element {element!r} holds no arrays."
-        )
+        raise InvalidArgumentError(f"{where}: element {element!r} holds no arrays.")
     sizes = [a.shape[0] for a in arrays]
     if len(set(sizes)) > 1:
         raise InvalidArgumentError(
-            f"experimental_distribute_dataset: the leaves of one element have different "
+            f"{where}: the leaves of one element have different "
             f"batch sizes {sizes}; every leaf's axis 0 must be the same global batch."
         )
     base, extra = divmod(sizes[0], num_replicas)

@@ -253,7 +253,9 @@ async def assert_same_on_replicas(
     scale = _magnitude(batch) if atol is None and rtol is None else 0.0
     for count in replicas:
         strategy = cpu_strategy(count)
-        inputs = regroup(split_batch(batch, count), strategy._devices)
+        inputs = regroup(
+            split_batch(batch, count, "assert_same_on_replicas: batch"), strategy._devices
+        )
         result = await strategy.run(step_fn, args=(inputs,))
         answer = await _combine(strategy, result, combine)
         if reference is None:

@@ -216,9 +216,12 @@ async def test_after_a_source_error_every_anext_raises_it_again(two):
 @pytest.mark.parametrize(
     ("element", "message"),
     [
-        (np.float32(1.0), r"rank-0 value"),
+        (np.float32(1.0), r"rank-0 value \(np.float32\(1.0\)\) has no batch axis; every"),
         ({"a": np.ones(3), "b": np.ones(4)}, r"different batch sizes \[3, 4\]"),
         ([], r"holds no arrays"),
+        # Rows as Python lists nest, a leaf per number: the message named 1.0 only.
+        ([[1.0, 2.0], [3.0, 4.0]], r"\(1.0\) has no batch axis \(a list or tuple is a struc.*"),
+        ((np.ones((2, 2)), 1.0), r"\(1.0\) has no batch axis; every leaf"),  # one bad leaf
     ],
 )
 async def test_bad_elements(two, element, message):

@@ -305,6 +305,26 @@ async def test_concat_of_a_scalar_result_names_the_value_and_the_combines_that_f
         await assert_same_on_replicas(losses, np.arange(12.0).reshape(6, 2))
 
 
+async def test_a_bad_batch_is_named_as_assert_same_on_replicas_batch():
+    """Its errors said "experimental_distribute_dataset:", an API the test never
+    called; rows as Python lists (each number a leaf) named the first number only."""
+
+    async def predict(rows):
+        return rows * 2.0
+
+    with pytest.raises(
+        aiodist.InvalidArgumentError,
+        match=r"^assert_same_on_replicas: batch: a rank-0 value \(1.0\) has no batch axis "
+        r"\(a list or tuple is a structure here.*np.asarray\(batch\)\)",
+    ):
+        await assert_same_on_replicas(predict, [[1.0, 2.0], [3.0, 4.0]])
+    with pytest.raises(
+        aiodist.InvalidArgumentError,
+        match=r"^assert_same_on_replicas: batch: the leaves of one element have different",
+    ):
+        await assert_same_on_replicas(predict, {"x": np.ones((4, 2)), "y": np.ones(3)})
+
+
 @pytest.mark.parametrize("bad", [0, -1, True, 2.0, None, "2"])
 def test_cpu_strategy_names_a_bad_replica_count(bad):
     with pytest.raises(
