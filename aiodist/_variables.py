@@ -29,13 +29,16 @@ to use as a dict key.
 
 Copies are immutable arrays: an update replaces them, so a value read earlier
 never changes under the reader, and an update is applied between two awaits,
-never half-way (concurrent runs do not lose updates).
+never half-way (concurrent runs do not lose updates). Each update's read of the
+old copies and write of the new ones hold one lock, so runs on event loops in
+other threads (a strategy may serve several) do not lose updates either.
 """
 
 from __future__ import annotations
 
 import enum
 import operator
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -78,6 +81,14 @@ class VariableSynchronization(enum.Enum):
     NONE = "NONE"
     ON_WRITE = "ON_WRITE"
     ON_READ = "ON_READ"
+
+
+# Held by every update from reading a variable's old copies to writing its new ones:
+# a strategy may run on event loops in several threads, and two threads' assign_add
+# of one variable, each adding to the copies it had read, lost an update and left
+# the mirrors unequal. One lock for all variables (held for microseconds, and
+# contended only across threads) keeps variables picklable and deep-copyable.
+_WRITE_LOCK = threading.Lock()
 
 
 def _frozen(array: Any) -> Any:
@@ -254,7 +265,8 @@ class VariableCopy:
         where = f"{variable._name}.{kind} (copy on {device})"
         try:
             placed = backend_for(device).asarray(value, device)
-            variable._values[self._index] = _update_value(kind, self.value(), placed, where)
+            with _WRITE_LOCK:
+                variable._values[self._index] = _update_value(kind, self.value(), placed, where)
         except (TypeError, ValueError) as error:
             _refuse_non_numbers(where, value, variable.dtype, error)
             raise
@@ -560,11 +572,13 @@ class Variable:
             self._replace_copies(kind, parts)
 
     def _replace_copies(self, kind: str, parts: list) -> None:
-        new = []
-        for device, old, part in zip(self._devices, self._values, parts, strict=True):
-            placed = backend_for(device).asarray(part, device)
-            new.append(_update_value(kind, old, placed, f"{self._name}.{kind}"))
-        self._values[:] = new  # all copies change together, or none does
+        placed = [backend_for(d).asarray(p, d) for d, p in zip(self._devices, parts, strict=True)]
+        with _WRITE_LOCK:  # no other thread's update between our read and our write
+            new = [
+                _update_value(kind, old, part, f"{self._name}.{kind}")
+                for old, part in zip(self._values, placed, strict=True)
+            ]
+            self._values[:] = new  # all copies change together, or none does
 
     def _per_copy(self, kind: str, value: Any) -> list:
         """What a cross-replica write gives each copy: a ``Mirrored`` value's own
@@ -839,7 +853,7 @@ class SyncOnReadVariable(Variable):
         world = self._strategy._world
         first = 0 if world is None or world.rank == 0 else None  # this worker's index of it
         new = []
-        with self._strategy._cross_replica_order():  # (see _write_copies)
+        with self._strategy._cross_replica_order(), _WRITE_LOCK:  # (see _write_copies)
             for i, (device, old) in enumerate(zip(self._devices, self._values, strict=True)):
                 part = value if i == first else np.zeros_like(value)
                 placed = backend_for(device).asarray(part, device)
