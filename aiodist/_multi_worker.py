@@ -32,8 +32,8 @@ number and its call number, so call #0 of run 1 never meets call #0 of run 2. A
 run that fails on one worker (a replica raises, or it is cancelled) sends a
 *failure header* in place of its next call: the other workers raise naming it at
 once (``ReplicaExitedError``), and the order is kept. A collective of that run
-whose header was already sent finishes in the background first (``World.operate``):
-the others may wait in its data step.
+whose header was already sent finishes first, before the run raises
+(``World.operate``): the others may wait in its data step.
 After a timeout the cross-worker order is lost for good: the worker tells every
 peer (an abort message, whose arrival fails the peer's operations in flight),
 every later cross-worker call raises at once, and when the program exits it ends the whole
@@ -326,13 +326,14 @@ class _Receive:
 
 class _Turn:
     """One asynchronous operation's place for its data step (``World.take_turn``):
-    its header's order number, and whether its turn has come."""
+    its header's order number, whether every worker agreed to it there, and whether
+    its turn has come."""
 
-    __slots__ = ("held", "ticket")
+    __slots__ = ("agreed", "held", "ticket")
 
     def __init__(self) -> None:
         self.ticket: int | None = None
-        self.held = False
+        self.agreed = self.held = False
 
 
 class _Run:
@@ -415,6 +416,9 @@ class World:
         self._failed_at: dict[int, int] = {}
         # Operations finishing for nobody, each with what it keeps alive (operate).
         self._background: dict[asyncio.Task, object] = {}
+        # Operations finishing after their caller was cancelled wait on these too:
+        # done when a run becomes known failed (see _finish_cancelled).
+        self._failure_news: list[asyncio.Future] = []
         # After a run failed, or ended here while it may have failed on another
         # worker (run_ended), stale headers may follow (see _agreed): until one
         # exchange completes without one (``_probe``, done when it ends), exchanges
@@ -577,6 +581,8 @@ class World:
         if run not in self.failed_runs:
             self.failed_runs.add(run)
             self._recovering = True
+        for news in self._failure_news:  # (operations finishing may be given up now)
+            _release(news)
 
     def run_ended(self) -> None:
         """A run ended on this worker without failing. Another worker's run may still
@@ -636,13 +642,18 @@ class World:
 
         Cancelled (its run failed: a replica raised, or the run was cancelled) once
         it has posted its header, it is not given up: the other workers may have
-        matched that header and wait in its data step. It finishes in the
-        background instead, with this worker's data (its exchange, then every
-        data step), its result thrown away; the run's failure header follows it in
-        the order, and the order is kept. Cancelled before, nothing of it was sent:
-        it is cancelled. ``owner`` (its strategy) is kept alive while it finishes in
-        the background: collected, the strategy would close this world under it,
-        and the others would wait in its data step until their timeout."""
+        matched that header and wait in its data step. It finishes first, with this
+        worker's data (its exchange, then every data step; each bounded by the
+        timeout), its result thrown away, and only then is the cancellation raised:
+        so the run that failed (it waits for its collectives' tasks) ends with
+        nothing of it in flight, the run's failure header follows it in the order,
+        and a synchronous cross-worker call made right after the run is not refused
+        on this worker while the others make it. Cancelled before, nothing of it was
+        sent: it is cancelled at once. Cancelled again while it finishes (the
+        loop's shutdown, a caller that will not wait), it is left to finish in the
+        background; ``owner`` (its strategy) is kept alive until then: collected,
+        the strategy would close this world under it, and the others would wait in
+        its data step until their timeout."""
         turn = _Turn()
         self._operations.append(what)
 
@@ -664,24 +675,54 @@ class World:
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            if turn.ticket is None:  # (no header posted yet)
-                task.cancel()
-            else:
+            current = _current_run.get()
+            try:
+                await self._finish_cancelled(
+                    task, turn, None if current is None else current.number
+                )
+            except asyncio.CancelledError:  # cancelled again: it finishes on its own
                 self._background[task] = owner
-                task.add_done_callback(functools.partial(self._finished_in_background, what))
+                task.add_done_callback(functools.partial(self._finished_after_failing, what))
+                raise
+            self._finished_after_failing(what, task)
             raise
 
-    def _finished_in_background(self, what: str, task: asyncio.Task) -> None:
+    async def _finish_cancelled(self, task: asyncio.Task, turn: _Turn, run: int | None) -> None:
+        """Wait for ``task``, an operation whose caller was cancelled, to end. It is
+        cancelled where nobody can wait for its data step: it posted no header yet,
+        or its header exchange, not agreed yet, is of a run known failed on every
+        worker before its place (``_given_up`` then leaves the exchange to complete
+        on the thread, and the order is kept; waiting for it would wait for the
+        other workers' next call, which may never come). Such a run may become
+        known failed while it waits (``_run_failed`` wakes it)."""
+        loop = asyncio.get_running_loop()
+        while not task.done():
+            ticket = turn.ticket
+            if ticket is None or (not turn.agreed and self._failed_before(run, ticket)):
+                task.cancel()
+                await asyncio.wait([task])
+                return
+            news = loop.create_future()
+            self._failure_news.append(news)
+            try:
+                await asyncio.wait([task, news], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self._failure_news.remove(news)
+
+    def _finished_after_failing(self, what: str, task: asyncio.Task) -> None:
+        """``task``, an operation finished after its caller was cancelled, has ended."""
         self._background.pop(task, None)
         if task.cancelled():
             return
-        # Nobody awaits it, so its error is nobody's to raise; said once on the
-        # logger instead (a timeout or a lost peer there also lost the order, which
-        # the next cross-worker call raises, if any: the program may end first).
+        # Its caller was cancelled, so its error is nobody's to raise; said once on
+        # the logger instead (a timeout or a lost peer there also lost the order,
+        # which the next cross-worker call raises, if any: the program may end
+        # first). A ReplicaExitedError says only that it was given up, its run
+        # having failed on every worker, with the order kept: nothing to report.
         exc = task.exception()
-        if exc is not None:
+        if exc is not None and not isinstance(exc, ReplicaExitedError):
             _stall.logger.warning(
-                "%s, left to finish in the background after its run failed, failed "
+                "%s, finished after its run failed (or it was cancelled), failed "
                 "on worker %d: %s: %s",
                 what,
                 self.rank,
@@ -962,6 +1003,8 @@ class World:
             )
             headers = self._agreed(posted, arrived, what, timeout)
             if headers is not None:
+                if turn is not None and turn.ticket == order:
+                    turn.agreed = True  # (its data step follows: never given up now)
                 return headers
             if turn is not None and turn.ticket == order:  # (no data step at this place)
                 turn.ticket = None
@@ -973,14 +1016,15 @@ class World:
                 raise ReplicaExitedError(self._dead(what, run))
 
     def _given_up(self, posted: _Posted, what: str) -> None:
-        """``posted``'s wait was cancelled (``operate`` never cancels an operation
-        that posted its header, so: its own task was, at the loop's shutdown). If
-        its run had failed on every worker before this place, each of them takes
-        this place as stale (``_agreed``): the exchange is left to complete on the
-        thread, and the order is kept. Otherwise (its run failed later, or not at
-        all: a collective finishing in the background for a run that failed after
-        it was posted) the others may have matched it and wait for its data step:
-        the order is lost, and they are told at once."""
+        """``posted``'s wait was cancelled (``operate`` cancels an operation that
+        posted its header only where its run failed on every worker before its
+        place; otherwise its own task was, at the loop's shutdown). If its run had
+        failed on every worker before this place, each of them takes this place as
+        stale (``_agreed``): the exchange is left to complete on the thread, and
+        the order is kept. Otherwise (its run failed later, or not at all: a
+        collective finishing for a run that failed after it was posted) the others
+        may have matched it and wait for its data step: the order is lost, and
+        they are told at once."""
         if self._failed_before(posted.mine["run"], posted.mine["order"]):
             self._pending.append(posted)
         else:

@@ -643,9 +643,9 @@ async def _overlapped_after_a_failure(strategy: aiodist.Strategy) -> dict:
 
 async def _give_up_mid_operation(strategy: aiodist.Strategy) -> dict:
     """Worker 1 cancels its run while its all_reduce waits for worker 0 (slow to
-    arrive): the all_reduce, whose header was sent, finishes in the background, so
-    worker 0 gets its result instead of waiting in the data step for the timeout
-    (30 s), and a strategy.reduce after it pairs on both workers."""
+    arrive): the all_reduce, whose header was sent, finishes first, so worker 0 gets
+    its result instead of waiting in the data step for the timeout (30 s), and a
+    strategy.reduce after it pairs on both workers."""
     started = time.monotonic()
 
     async def step():
@@ -668,32 +668,38 @@ async def _give_up_mid_operation(strategy: aiodist.Strategy) -> dict:
 
 
 def _loop_ends_while_finishing(strategy: aiodist.Strategy) -> dict:
-    """Worker 1's run raises while its all_reduce's header exchange waits for worker
-    0 (1 s late), and worker 1's event loop then ends: the loop's shutdown cancels
-    the all_reduce finishing in the background. Worker 0 has matched its header and
-    would wait in the data step for the timeout (30 s): it must fail at once. Then,
-    on a second loop, worker 1 makes a strategy.reduce, and waits for worker 0's
-    report (the MPI_Abort at its exit would end the job before it)."""
+    """Worker 1's replica raises while its all_reduce's header exchange waits for
+    worker 0 (1 s late): its run waits for the all_reduce to finish, and worker 1's
+    program returns meanwhile, without awaiting the run: the loop's shutdown cancels
+    the run and the all_reduce. Worker 0 has matched its header and would wait in
+    the data step for the timeout (30 s): it must fail at once. Then, on a second
+    loop, worker 1 makes a strategy.reduce, and waits for worker 0's report (the
+    MPI_Abort at its exit would end the job before it)."""
     started = time.monotonic()
     w = strategy.worker_index
+    raised = []
 
     async def step():
         pending = aiodist.get_replica_context().all_reduce("sum", 1.0)
         if w == 1:
             await asyncio.sleep(0.3)
+            raised.append("ValueError")
             raise ValueError("bad batch on worker 1")
         return await pending
 
     async def first():
-        if w == 0:
-            await asyncio.sleep(1.0)
+        if w == 1:  # (its loop ends with the run, and the all_reduce, in flight)
+            running = asyncio.ensure_future(strategy.run(step))
+            await asyncio.sleep(0.6)
+            return {"error": raised[0], "running": not running.done()}
+        await asyncio.sleep(1.0)
         try:
             await strategy.run(step)
         except Exception as exc:
             return {"error": type(exc).__name__, "message": str(exc)}
         return {"error": None}
 
-    out = _run(first())  # (worker 1: its loop ends with the all_reduce in flight)
+    out = _run(first())
     out["after"] = time.monotonic() - started
 
     async def second():
@@ -711,16 +717,22 @@ def _loop_ends_while_finishing(strategy: aiodist.Strategy) -> dict:
 
 
 async def _reduce_then_drop(held: list) -> dict:
-    """Worker 1 cancels its strategy.reduce (worker 0 arrives 1 s late), then drops
-    the strategy (``held``'s only item: garbage collected at once): the reduce, whose
-    header was sent, finishes in the background, so worker 0 gets its result, not
-    a timeout (30 s)."""
+    """Worker 1 cancels its strategy.reduce twice (worker 0 arrives 1 s late), then
+    drops the strategy (``held``'s only item: garbage collected at once): the
+    reduce, whose header was sent, finishes in the background, so worker 0 gets its
+    result, not a timeout (30 s)."""
     started = time.monotonic()
     strategy = held.pop()
     w = strategy.worker_index
     if w == 1:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(strategy.reduce("sum", np.float64(2.0), axis=None), 0.3)
+        reducing = asyncio.ensure_future(strategy.reduce("sum", np.float64(2.0), axis=None))
+        await asyncio.sleep(0.3)
+        reducing.cancel()  # it waits for the reduce to finish (its header was sent)
+        await asyncio.sleep(0)
+        reducing.cancel()  # cancelled again: the reduce finishes in the background
+        with contextlib.suppress(asyncio.CancelledError):
+            await reducing
+        reducing = None
         dropped = weakref.ref(strategy)
         del strategy
         gc.collect()
@@ -933,9 +945,9 @@ async def _exit_in_replica(strategy: aiodist.Strategy) -> dict:
 
 
 async def _background_fails(strategy: aiodist.Strategy) -> dict:
-    """Worker 1's run raises after its all_reduce posted its header; worker 0 never
-    joins (it only waits), so that all_reduce, finishing in the background, times
-    out (1.5 s) on worker 1: its failure must be logged there, not dropped."""
+    """Worker 1's replica raises after its all_reduce posted its header; worker 0
+    never joins (it only waits), so that all_reduce, which the run lets finish,
+    times out (1.5 s) on worker 1: its failure must be logged there, not dropped."""
     w = strategy.worker_index
     if w == 0:
         await asyncio.sleep(4.0)
@@ -953,6 +965,58 @@ async def _background_fails(strategy: aiodist.Strategy) -> dict:
         error = type(exc).__name__
     await asyncio.sleep(3.0)  # the background all_reduce times out meanwhile
     return {"error": error}
+
+
+async def _sync_after_a_failed_run(strategy: aiodist.Strategy) -> dict:
+    """Run 1 fails on worker 1, then every worker creates a variable (a synchronous
+    cross-worker call) and makes a strategy.reduce. AIODIST_TEST_HOW: "agreed",
+    worker 1's replica raises while its all_reduce, agreed, waits in its data step
+    for worker 0; "overlapped", it raises before any collective while worker 0 has
+    two in flight (worker 1 then comes to the variable 0.5 s late); "last", the same,
+    and the program ends there. Before, the worker left with a collective of run 1
+    in flight refused the variable while the other made it: a mismatch, then a
+    timeout and MPI_Abort."""
+    how = os.environ["AIODIST_TEST_HOW"]
+    w = strategy.worker_index
+
+    async def step():
+        ctx = aiodist.get_replica_context()
+        if how == "agreed":
+            pending = ctx.all_reduce("sum", np.float64(1 + w))
+            if w == 0:
+                for _ in range(3):  # its collective's task posts its header
+                    await asyncio.sleep(0)
+                time.sleep(1.0)  # its loop is blocked: its data step is issued 1 s late
+            else:
+                await asyncio.sleep(0.6)  # the headers agreed; the data step waits
+                raise ValueError("bad batch on worker 1")
+            return await pending
+        if w == 1:
+            raise ValueError("bad batch on worker 1")
+        first = ctx.all_reduce("sum", 1.0)
+        second = ctx.all_reduce("sum", 10.0)
+        return await first + await second
+
+    started = time.monotonic()
+    try:
+        out = {"run": float(await strategy.run(step))}
+    except Exception as exc:
+        out = {"run": type(exc).__name__}
+    out["after"] = round(time.monotonic() - started, 2)
+    if how == "last":
+        return out
+    if how == "overlapped" and w == 1:
+        await asyncio.sleep(0.5)
+    try:
+        with strategy.scope():
+            out["variable"] = _plain(aiodist.Variable(np.full(2, float(w))).numpy())
+    except Exception as exc:
+        out["variable"] = [type(exc).__name__, str(exc)]
+    try:
+        out["reduce"] = float(await strategy.reduce("sum", np.float64(1.0), axis=None))
+    except Exception as exc:
+        out["reduce"] = [type(exc).__name__, str(exc)]
+    return out
 
 
 def _run(coro):
@@ -976,6 +1040,7 @@ _BOUNDED = (
     "cancelled_in_turn",
     "run_in_merge_fn",
     "plain_variable",
+    "sync_after_a_failed_run",
 )  # a 30 s timeout: failing at once shows
 
 
@@ -1035,6 +1100,7 @@ def main() -> None:
         "statistics": _statistics,
         "structures": _structures,
         "plain_variable": _plain_variable,
+        "sync_after_a_failed_run": _sync_after_a_failed_run,
     }[mode]
     _report(strategy, _run(work(strategy)))
 

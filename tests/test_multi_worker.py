@@ -286,8 +286,8 @@ def test_a_worker_that_gives_up_mid_operation_keeps_the_order(loop):
     """Worker 1's run is cancelled while its all_reduce's header exchange waits for
     worker 0. Before, that lost the order: worker 0's call failed ("worker 1 lost
     the workers' order of operations"), and the job ended with MPI_Abort. Now the
-    all_reduce finishes in the background: worker 0 gets its result, and the next
-    cross-worker call pairs on both workers."""
+    all_reduce finishes first (the cancelled run waits for it): worker 0 gets its
+    result, and the next cross-worker call pairs on both workers."""
     rc, results, output, _ = _program(2, "give_up", [1, 1], loop=loop)
     assert rc == 0, output[-3000:]
     assert sorted(results) == [0, 1], output[-3000:]
@@ -298,14 +298,15 @@ def test_a_worker_that_gives_up_mid_operation_keeps_the_order(loop):
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_loop_ending_while_a_collective_finishes_tells_the_others_at_once(loop):
-    """Worker 1's run raises while its all_reduce's header exchange waits for worker
-    0, and worker 1's loop then ends, cancelling the all_reduce that was finishing
-    in the background. Worker 0 matched its header: it must fail at once (the order
-    is lost), not wait in the data step for the 30 s timeout (before the fix: the
-    cancelled exchange was taken as stale, since its run had failed since)."""
+    """Worker 1's replica raises while its all_reduce's header exchange waits for
+    worker 0; its run waits for the all_reduce, and worker 1's loop ends meanwhile,
+    cancelling the run and the all_reduce. Worker 0 matched its header: it must fail
+    at once (the order is lost), not wait in the data step for the 30 s timeout
+    (before the fix: the cancelled exchange was taken as stale, since its run had
+    failed since)."""
     rc, results, output, _ = _program(2, "loop_ends_while_finishing", [1, 1], loop=loop)
     assert sorted(results) == [0, 1], output[-3000:]
-    assert results[1]["error"] == "ValueError", results[1]
+    assert results[1]["error"] == "ValueError" and results[1]["running"], results[1]
     assert results[0]["error"] == "RendezvousError", results[0]
     assert "worker 1 lost the workers' order of operations" in results[0]["message"]
     assert "was cancelled while waiting for the other workers" in results[0]["message"]
@@ -315,23 +316,25 @@ def test_a_loop_ending_while_a_collective_finishes_tells_the_others_at_once(loop
 
 
 def test_a_background_collective_that_fails_is_logged_on_its_worker():
-    """Worker 1's run raised after its all_reduce posted its header; the all_reduce,
-    left to finish in the background, times out (worker 0 never joins): worker 1
-    says so on the aiodist logger (its error was dropped before)."""
+    """Worker 1's replica raised after its all_reduce posted its header; the
+    all_reduce, which the run lets finish, times out (worker 0 never joins): the run
+    raises the replica's error, and worker 1 says so on the aiodist logger (its
+    error was dropped before)."""
     _rc, results, output, _ = _launch(2, str(PROGRAM), "background_fails", "1,1", timeout=40)
     assert sorted(results) == [0, 1], output[-3000:]
     assert results[1]["error"] == "ValueError", results[1]
     assert (
-        "left to finish in the background after its run failed, failed on worker 1: "
-        "RendezvousTimeoutError"
+        "call #0 of run 1, finished after its run failed (or it was cancelled), failed on "
+        "worker 1: RendezvousTimeoutError"
     ) in output, output[-3000:]
 
 
 def test_a_dropped_strategy_still_finishes_its_cancelled_reduce():
-    """Worker 1 cancels its strategy.reduce, whose header was sent, and drops the
-    strategy: the reduce finishes in the background (the strategy is kept alive
-    until then), so worker 0 gets its result at once, not a 30 s timeout (before
-    the fix: the collected strategy closed its world under the reduce)."""
+    """Worker 1 cancels its strategy.reduce, whose header was sent, twice (the
+    second time while the reduce finishes), and drops the strategy: the reduce
+    finishes in the background (the strategy is kept alive until then), so worker
+    0 gets its result at once, not a 30 s timeout (before the fix: the collected
+    strategy closed its world under the reduce)."""
     rc, results, output, _ = _launch(2, str(PROGRAM), "reduce_then_drop", "1,1")
     assert sorted(results) == [0, 1], output[-3000:]
     assert results[0]["reduce"] == 3.0 and results[0]["after"] < 10, results[0]
@@ -350,7 +353,7 @@ def test_a_run_failing_after_its_collective_agreed_keeps_the_order(how, second, 
     all_reduce, agreed on both workers, waits in its data step for worker 0. Before,
     worker 1 gave the collective up: every later cross-worker call on both workers
     raised ("lost the workers' order of operations") and the job ended with
-    MPI_Abort. Now its data step is made in the background: worker 0 gets that
+    MPI_Abort. Now its data step is made before the run ends: worker 0 gets that
     all_reduce's right result (and, where run 1 calls again, ReplicaExitedError
     naming worker 1), and run 2 and a strategy.reduce pair on both workers."""
     env = {"AIODIST_TEST_HOW": how, "AIODIST_TEST_NEXT": "1" if second else "0"}
@@ -369,6 +372,29 @@ def test_a_run_failing_after_its_collective_agreed_keeps_the_order(how, second, 
     for result in results.values():
         assert result["run2"] == [41.0] and result["reduce"] == 1.0, result
         assert result["after1"] < 10 and result["after2"] < 10, result
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("how", ["agreed", "overlapped", "last"])
+def test_a_synchronous_call_right_after_a_failed_run_is_made_on_every_worker(how, loop):
+    """Run 1 fails on worker 1; then every worker creates a variable. Before, the
+    worker whose collective of run 1 was still finishing (worker 1's, agreed and in
+    its data step; or worker 0's second one, overlapped, whose run had failed
+    everywhere) refused it ("while 1 asynchronous one(s) of this worker are in
+    flight") while the other made it: a mismatch, then a timeout and MPI_Abort.
+    Now a failed run ends once such a collective has finished (one of a run known
+    failed everywhere, which nobody waits for, is given up at once: "last", where
+    the program ends after the run, shows it is not waited for)."""
+    env = {"AIODIST_TEST_HOW": how}
+    rc, results, output, _ = _program(2, "sync_after_a_failed_run", [1, 1], loop=loop, env=env)
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == [0, 1], output[-3000:]
+    assert results[1]["run"] == "ValueError", results[1]
+    assert results[0]["run"] == (3.0 if how == "agreed" else "ReplicaExitedError"), results[0]
+    for result in results.values():
+        assert result["after"] < 5, result
+        if how != "last":
+            assert result["variable"] == [0.0, 0.0] and result["reduce"] == 2.0, result
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
