@@ -408,12 +408,11 @@ class World:
         self.runs = 0
         # Runs known failed on every worker (a failure header sent or received, a
         # mismatch every worker saw): such a run has nothing left to tell, and a
-        # header of it that a peer sent is stale (see _agreed).
-        self.failed_runs: set[int] = set()
-        # Where each of them became known failed: the order number of the place that
-        # told it (its failure header's, a mismatch's). A place is classified from
-        # what the places before it told, which every worker knows alike (see _agreed).
-        self._failed_at: dict[int, int] = {}
+        # header of it that a peer sent is stale (see _agreed). Each with where it
+        # became known failed: the order number of the place that told it (its
+        # failure header's, a mismatch's). A place is classified from what the
+        # places before it told, which every worker knows alike (see _agreed).
+        self.failed_runs: dict[int, int] = {}
         # Operations finishing for nobody, each with what it keeps alive (operate).
         self._background: dict[asyncio.Task, object] = {}
         # Operations finishing after their caller was cancelled wait on these too:
@@ -577,10 +576,9 @@ class World:
         """Run ``run`` failed, as the place of order number ``place`` told."""
         if run is None:
             return
-        self._failed_at[run] = min(place, self._failed_at.get(run, place))
         if run not in self.failed_runs:
-            self.failed_runs.add(run)
             self._recovering = True
+        self.failed_runs[run] = min(place, self.failed_runs.get(run, place))
         for news in self._failure_news:  # (operations finishing may be given up now)
             _release(news)
 
@@ -597,7 +595,7 @@ class World:
             self._recovering = True
 
     def _failed_before(self, run: int | None, place: int) -> bool:
-        return run is not None and self._failed_at.get(run, math.inf) < place
+        return run is not None and self.failed_runs.get(run, math.inf) < place
 
     def run_key(self, run: _Run) -> int:
         """``run``'s number, numbering it now if it has none."""
@@ -1061,7 +1059,7 @@ class World:
         its sender, and the headers of its exchanges that were in flight where
         the others learned of the failure first. Every worker sees the same
         headers at a place, and a place is classified only from the failures the
-        places before it told (``_failed_at``: a failure header's place, a
+        places before it told (``failed_runs``: a failure header's place, a
         mismatch's), which every worker knows alike; so all classify it alike (an
         exchange this worker posted before its own run failed, which the others
         matched, still agrees, and makes its data step: ``operate``):
