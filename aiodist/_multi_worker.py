@@ -1139,10 +1139,9 @@ class World:
             if order >= before or order in self._read or len(marks) < count or not all(marks):
                 continue
             self._read.add(order)
-            for worker, receive in posted.received.items():
-                header = json.loads(bytes(receive.buffer))
+            for worker, header in enumerate(self._headers(posted.mine, posted.received)):
                 theirs = header.get("run")
-                if header.get("failed") and theirs not in self.failed_runs:
+                if worker != self.rank and header.get("failed") and theirs not in self.failed_runs:
                     self._run_failed(theirs, order)  # (not counted: this worker runs it still)
                     self._failures[theirs] = (
                         f"{self.who(worker)} will not join it: {header['failed']}"
