@@ -1444,9 +1444,14 @@ class _WorkerGroup(RunGroup):
 
     def _replica_failed(self, rid: int, exc: BaseException) -> None:
         if self._failure is None and not isinstance(exc, asyncio.CancelledError):
-            # (its global id and exception: named in the failure header)
+            # (its global id: named in the failure header; and its exception where
+            # it is one that leaves the loop at once, which the failure header names
+            # in place of the run's cancellation. Any other is the run's own error,
+            # not kept here: its traceback holds the replica's frames and their
+            # arrays until the next run, or for good after the last.)
             self.strategy._failed_replica = self.strategy._replica_offset + rid
-            self.strategy._failed_with = exc
+            if isinstance(exc, SystemExit | KeyboardInterrupt):
+                self.strategy._failed_with = exc
         super()._replica_failed(rid, exc)
 
     async def _across_workers(self, number: int, signature: Any, payloads: list) -> list:
@@ -1646,9 +1651,11 @@ class MultiWorkerMirroredStrategy(Strategy):
             # The end of the run submitted last, on the loop it runs on: the next run
             # starts once it is done (runs are serialised: the order rule).
             self._last_end: dict[Any, asyncio.Future] = {}
-            # The replica whose exception failed the run in flight (runs are serialised).
+            # The replica whose exception failed the run in flight (runs are
+            # serialised), and that exception if it is a SystemExit or a
+            # KeyboardInterrupt (see _WorkerGroup._replica_failed).
             self._failed_replica: int | None = None
-            self._failed_with: BaseException | None = None
+            self._failed_with: SystemExit | KeyboardInterrupt | None = None
             # The thread and communicator end with the strategy (close(), or once it is
             # garbage, or at exit); the finalizer holds the world, never the strategy.
             self._finalizer = weakref.finalize(self, world.close)

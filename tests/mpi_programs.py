@@ -1019,6 +1019,23 @@ async def _sync_after_a_failed_run(strategy: aiodist.Strategy) -> dict:
     return out
 
 
+async def _failed_run_frees(strategy: aiodist.Strategy) -> dict:
+    """A replica raises holding a large array; once the program has dropped the
+    run's error, nothing may keep the array (before, the strategy kept the
+    replica's exception, its traceback and frames, until the next run)."""
+    held = []
+
+    async def step():
+        rows = np.zeros(1_000_000)
+        held.append(weakref.ref(rows))
+        raise ValueError("bad batch")
+
+    with contextlib.suppress(ValueError):
+        await strategy.run(step)
+    gc.collect()
+    return {"alive": sum(ref() is not None for ref in held), "replicas": len(held)}
+
+
 def _run(coro):
     """On the loop named by AIODIST_TEST_LOOP: uvloop (aiodist.run's) or asyncio."""
     if os.environ.get("AIODIST_TEST_LOOP") == "asyncio":
@@ -1101,6 +1118,7 @@ def main() -> None:
         "structures": _structures,
         "plain_variable": _plain_variable,
         "sync_after_a_failed_run": _sync_after_a_failed_run,
+        "failed_run_frees": _failed_run_frees,
     }[mode]
     _report(strategy, _run(work(strategy)))
 

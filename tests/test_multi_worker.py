@@ -529,6 +529,16 @@ def test_a_variable_made_outside_any_scope_is_reduced_as_its_value():
         assert result == {"mean": [1.0, 2.0], "max": [1.0, 2.0], "reduce_to": [1.0, 2.0]}
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_failed_run_keeps_no_replica_frame_alive(loop):
+    """Before, the strategy kept the failing replica's exception (its traceback, so
+    the replica's frames and their arrays) until the next run, or for good after
+    the last: one process's MirroredStrategy keeps nothing."""
+    rc, results, output, _ = _program(2, "failed_run_frees", [2, 1], loop=loop)
+    assert rc == 0, output[-3000:]
+    assert results == {0: {"alive": 0, "replicas": 2}, 1: {"alive": 0, "replicas": 1}}
+
+
 @pytest.mark.parametrize("bad", [0, -1])
 def test_a_replica_count_below_one_is_refused(bad):
     with pytest.raises(aiodist.InvalidArgumentError, match=rf"devices_per_worker={bad}; expected"):
