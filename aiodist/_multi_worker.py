@@ -1568,7 +1568,8 @@ class _MultiWorkerExtended(StrategyExtended):
 
     def _distributed(self, op: ReduceOp, value: Any) -> Any:
         """Across workers a value that is not distributed is each local replica's
-        (``_per_local_replica``), so no reduction is ambiguous."""
+        (``_per_local_replica``); ``_reduce_across`` refuses SUM and PRODUCT of it
+        on every worker where a worker holds several replicas."""
         return value
 
 
@@ -1777,7 +1778,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         """``value`` as this worker's replicas' values: a variable's are its copies;
         a value that is not distributed is each local replica's (as when every
         replica passed the same object), so with one local replica it is simply
-        that replica's value. A variable made outside any scope is its value, as
+        that replica's value (with several, ``_reduce_across`` refuses SUM and
+        PRODUCT of it, as one machine does). A variable made outside any scope is its value, as
         ``Strategy.reduce`` takes it (its one copy is not one per local replica)."""
         if hasattr(value, "_aiodist_local_results"):
             if value._aiodist_distributed:  # a strategy's variable: never read it whole
@@ -1801,9 +1803,23 @@ class MultiWorkerMirroredStrategy(Strategy):
         timeout = self._communication_options.merge(options).timeout_seconds
         local_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
         totals, counts = [], []
+        ambiguous = None  # (why this worker refuses the reduction, if it does)
         for value in values:
             refuse_structure(value, method.removeprefix("extended."))
-            parts = await self._host_components(self._per_local_replica(value))
+            local_values = self._per_local_replica(value)
+            if (
+                op in (ReduceOp.SUM, ReduceOp.PRODUCT)
+                and len(self._slots) > 1
+                and not isinstance(value, DistributedValues)
+                and not getattr(value, "_aiodist_distributed", False)
+            ):
+                # One machine refuses this (StrategyExtended._distributed): a value that
+                # is not distributed may be one replica's value or every replica's. Told
+                # in the header, so every worker refuses it at this place alike (one
+                # that holds a single replica takes such a value as its replica's, and
+                # would wait for this worker's data step until the timeout).
+                ambiguous = f"{type(value).__name__} for its {len(self._slots)} replicas"
+            parts = await self._host_components(local_values)
             # The checks and per-replica reductions of strategy.reduce (MEAN: sums).
             parts, count = _local_parts(op, parts, axis)
             parts = [np.asarray(p) for p in parts]
@@ -1821,7 +1837,17 @@ class MultiWorkerMirroredStrategy(Strategy):
         world = self._world
 
         async def body() -> tuple:
-            headers = await world.agree(what, key, timeout, counts=counts)
+            headers = await world.agree(what, key, timeout, counts=counts, ambiguous=ambiguous)
+            refusing = [(w, h["ambiguous"]) for w, h in enumerate(headers) if h["ambiguous"]]
+            if refusing:  # (no data step at this place, on any worker)
+                raise InvalidArgumentError(
+                    f"{what}: a value that is not distributed cannot be reduced with "
+                    f"{op.name} on a worker holding several replicas ("
+                    + "; ".join(f"{world.who(w)}: {text}" for w, text in refusing)
+                    + "): is it one replica's value, or every replica's? Pass the "
+                    "PerReplica value from strategy.run, or use MEAN. (With one replica "
+                    "per worker, such a value is that worker's replica's.)"
+                )
             return headers, await _reduce_leaves(world, local_op, totals, what, timeout)
 
         headers, totals = await world.operate(what, body, self)

@@ -1036,6 +1036,32 @@ async def _failed_run_frees(strategy: aiodist.Strategy) -> dict:
     return {"alive": sum(ref() is not None for ref in held), "replicas": len(held)}
 
 
+async def plain_values(strategy: aiodist.Strategy) -> dict:
+    """strategy.reduce and reduce_to of a value that is not distributed: each
+    outcome (the result, or the error's class and message), then a reduce that
+    must still pair on every worker. Also run on one process's MirroredStrategy."""
+
+    async def outcome(call):
+        try:
+            return _plain(await call)
+        except aiodist.AiodistError as exc:
+            return [type(exc).__name__, str(exc)]
+
+    plain = np.array([1.0, 2.0])
+    with strategy.scope():
+        return {
+            "sum": await outcome(strategy.reduce("sum", plain, axis=None)),
+            "product": await outcome(strategy.reduce("product", plain, axis=None)),
+            "mean": await outcome(strategy.reduce("mean", plain, axis=None)),
+            "max": await outcome(strategy.reduce("max", plain, axis=None)),
+            "reduce_to": await outcome(strategy.extended.reduce_to("sum", plain, "cpu:0")),
+            "batch": await outcome(
+                strategy.extended.batch_reduce_to("sum", [(plain, "cpu:0"), (plain, "cpu:0")])
+            ),
+            "after": await outcome(strategy.reduce("mean", plain, axis=None)),
+        }
+
+
 def _run(coro):
     """On the loop named by AIODIST_TEST_LOOP: uvloop (aiodist.run's) or asyncio."""
     if os.environ.get("AIODIST_TEST_LOOP") == "asyncio":
@@ -1058,6 +1084,7 @@ _BOUNDED = (
     "run_in_merge_fn",
     "plain_variable",
     "sync_after_a_failed_run",
+    "plain_values",
 )  # a 30 s timeout: failing at once shows
 
 
@@ -1119,6 +1146,7 @@ def main() -> None:
         "plain_variable": _plain_variable,
         "sync_after_a_failed_run": _sync_after_a_failed_run,
         "failed_run_frees": _failed_run_frees,
+        "plain_values": plain_values,
     }[mode]
     _report(strategy, _run(work(strategy)))
 

@@ -539,6 +539,41 @@ def test_a_failed_run_keeps_no_replica_frame_alive(loop):
     assert results == {0: {"alive": 0, "replicas": 2}, 1: {"alive": 0, "replicas": 1}}
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("counts", [[2, 1], [2, 2]], ids=["uneven", "2x2"])
+def test_sum_of_a_plain_value_with_several_replicas_on_a_worker_is_refused_as_on_one_machine(
+    counts, loop
+):
+    """Before, each worker summed one copy per local replica (SUM of [1, 2] gave
+    [4, 8] on 2x2, [3, 6] on 2+1), where one process with as many replicas refuses
+    it as ambiguous (TF too). Now every worker refuses it (on 2+1 worker 1, with one
+    replica, would otherwise have waited for worker 0 until the timeout), and the
+    order is kept."""
+    rc, results, output, _ = _program(len(counts), "plain_values", counts, loop=loop)
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == list(range(len(counts))), output[-3000:]
+    from tests.mpi_programs import plain_values
+
+    alone = aiodist.run(plain_values(aiodist.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])))
+    for result in results.values():
+        for key in ("sum", "product", "reduce_to", "batch"):
+            assert result[key][0] == alone[key][0] == "InvalidArgumentError", (key, result)
+            assert "worker 0 (replicas 0-1): ndarray for its 2 replicas" in result[key][1]
+            assert ("worker 1 (replicas 2-3)" in result[key][1]) == (counts == [2, 2])
+        assert result["mean"] == result["max"] == result["after"] == [1.0, 2.0], result
+        assert alone["mean"] == alone["max"] == [1.0, 2.0], alone
+
+
+def test_sum_of_a_plain_value_with_one_replica_per_worker_sums_the_workers_values():
+    """One replica per worker: the value is that worker's replica's (as a merge_fn
+    receives it), so SUM adds one per worker."""
+    rc, results, output, _ = _program(2, "plain_values", [1, 1])
+    assert rc == 0, output[-3000:]
+    for result in results.values():
+        assert result["sum"] == result["reduce_to"] == [2.0, 4.0], result
+        assert result["product"] == [1.0, 4.0] and result["mean"] == [1.0, 2.0], result
+
+
 @pytest.mark.parametrize("bad", [0, -1])
 def test_a_replica_count_below_one_is_refused(bad):
     with pytest.raises(aiodist.InvalidArgumentError, match=rf"devices_per_worker={bad}; expected"):
