@@ -87,7 +87,7 @@ def parse_device(spec: str | Device) -> Device:
     if isinstance(spec, Device):
         return spec
     if not isinstance(spec, str):
-        raise DeviceError(f"device {spec!r} is a {type(spec).__name__}; {_EXPECTED}.")
+        raise DeviceError(f"device {spec!r} is of type {type(spec).__name__}; {_EXPECTED}.")
     match = _DEVICE_RE.match(spec.strip())
     if match is None:
         hint = ""

@@ -14,6 +14,9 @@ working::
         ├── CollectiveMismatchError(ValueError)   replicas called different things
         └── RendezvousTimeoutError(TimeoutError)  CommunicationOptions.timeout_seconds ran out
 
+and, in ``aiodist.serving``, the batcher's ``Overloaded`` and ``NotServing``
+(both ``RuntimeError``).
+
 Messages say what happened (with the values), what was expected, and what to do,
 and end with a link to their section of ``docs/errors.md`` (one per class).
 """
@@ -32,8 +35,9 @@ __all__ = [
 ]
 
 
-# The classes docs/errors.md has a section for: every public one.
-_DOCUMENTED = frozenset(__all__)
+# The classes docs/errors.md has a section for: every public one, and the batcher's
+# two (aiodist.serving), which are defined with it.
+_DOCUMENTED = frozenset([*__all__, "NotServing", "Overloaded"])
 
 
 class AiodistError(Exception):

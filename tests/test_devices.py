@@ -87,7 +87,7 @@ def test_other_jobs_are_called_out():
 
 
 def test_non_string_device():
-    with pytest.raises(aiodist.DeviceError, match=r"device 3 is a int"):
+    with pytest.raises(aiodist.DeviceError, match=r"device 3 is of type int"):
         aiodist.MirroredStrategy([3])
 
 

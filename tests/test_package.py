@@ -107,4 +107,6 @@ def test_error_messages_link_to_their_docs_section():
             assert message.startswith("something went wrong [docs/errors.md#")
             anchor = message.rsplit("#", 1)[1].rstrip("]")
             assert anchor in headings, (name, anchor)
-    assert str(aiodist.serving.Overloaded("full")).endswith("[docs/errors.md#aiodisterror]")
+    for cls in (aiodist.serving.Overloaded, aiodist.serving.NotServing):
+        anchor = str(cls("full")).rsplit("#", 1)[1].rstrip("]")
+        assert anchor == cls.__name__.lower() and anchor in headings, anchor
