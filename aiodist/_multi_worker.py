@@ -1066,6 +1066,9 @@ class World:
 
         - a failure header for this worker's run in flight (or a run it never
           numbered) fails that run: ``ReplicaExitedError``, naming the worker;
+          one for a later run (the peer ended this run and failed its next) fails
+          it too, and marks that later run failed without counting it here: this
+          worker's run of that number raises at its first cross-worker call;
         - a failure header for a run this worker already finished, or any header
           of a failed run that is not this worker's, is stale: the place is
           consumed, and the exchange is made again at the next one, so the run
@@ -1086,8 +1089,21 @@ class World:
             theirs = header.get("run")
             if header.get("failed"):
                 self._run_failed(theirs, place)
+                if run is not None and theirs > run:
+                    # The peer ended run ``run`` and failed its next one before this
+                    # worker's run ``run`` made this call: this worker has not started
+                    # that one. Not counted (as in _read_unread): its run of that
+                    # number raises at its first cross-worker call, naming the peer.
+                    # Counted, this worker's next run would be numbered one further,
+                    # and its runs would pair for good with the peer's next ones.
+                    self._failures.setdefault(
+                        theirs, f"{self.who(worker)} will not join it: {header['failed']}"
+                    )
+                    if not dead:  # (a run already failed here raises as such, below)
+                        failed.append((worker, header["failed"]))
+                    continue
                 self.runs = max(self.runs, theirs)  # (it numbered a run this one did not)
-                if run is not None and theirs >= run:
+                if run is not None and theirs == run:
                     failed.append((worker, header["failed"]))
                 else:
                     stale = True

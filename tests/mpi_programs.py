@@ -538,6 +538,40 @@ async def _failures_keep_the_order(strategy: aiodist.Strategy) -> dict:
     return out
 
 
+async def _failures_in_a_row(strategy: aiodist.Strategy) -> dict:
+    """Worker 1's runs 1 to 4 fail before any collective while worker 0's start two
+    collectives before awaiting either; run 5 succeeds everywhere. Worker 1 does not
+    wait for anyone, so its failure headers are out before worker 0 posts: worker
+    0's second exchange of run k meets worker 1's failure header of run k + 1.
+    Before, worker 0 then counted run k + 1 as one of its own already made (where
+    that exchange completed before the run gave it up): its next run was numbered
+    k + 2, and its runs paired for good with worker 1's next ones (run 5 met
+    worker 1's strategy.reduce)."""
+    w = strategy.worker_index
+    out = {}
+
+    async def step(k):
+        ctx = aiodist.get_replica_context()
+        if w == 1 and k < 5:
+            raise ValueError(f"bad batch {k} on worker 1")
+        first = ctx.all_reduce("sum", np.float64(k))
+        second = ctx.all_reduce("sum", np.float64(10 * k))
+        return await first + await second
+
+    if w == 0:
+        await asyncio.sleep(0.5)  # (worker 1's failure headers go out first)
+    for k in range(1, 6):
+        try:
+            result = strategy.experimental_local_results(await strategy.run(step, args=(k,)))
+            out[f"run{k}"] = _plain(result)
+        except Exception as exc:
+            out[f"run{k}"] = [type(exc).__name__, str(exc)]
+    with strategy.scope():
+        out["reduce"] = float(await strategy.reduce("sum", np.float64(w + 1), axis=None))
+    out["runs"] = strategy._world.runs
+    return out
+
+
 async def _cancelled_in_turn(strategy: aiodist.Strategy) -> dict:
     """Runs A and B submitted together (B waits for A's end); worker 1 gives B up
     while it waits, then every worker runs C. Before, worker 1's B left no trace,
@@ -1071,6 +1105,7 @@ def _run(coro):
 
 _BOUNDED = (
     "failures_keep_the_order",
+    "failures_in_a_row",
     "close_in_flight",
     "fail_then_go_on",
     "give_up",
@@ -1121,6 +1156,7 @@ def main() -> None:
     work = {
         "fail_then_go_on": _fail_then_go_on,
         "failures_keep_the_order": _failures_keep_the_order,
+        "failures_in_a_row": _failures_in_a_row,
         "overlapped": _overlapped,
         "overlapped_after_a_failure": _overlapped_after_a_failure,
         "overlapped_mismatch": _overlapped_mismatch,

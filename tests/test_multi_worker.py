@@ -265,6 +265,28 @@ def test_failed_runs_never_make_the_workers_order_drift(loop):
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_failures_in_a_row_on_one_worker_keep_the_runs_paired(loop):
+    """Worker 1's runs 1-4 fail before any collective, while worker 0's start two
+    collectives each. Before, worker 0's second exchange of run k met worker 1's
+    failure header of run k + 1 and counted that run as made: worker 0's runs were
+    numbered one further for good, its run 5 met worker 1's strategy.reduce (a
+    mismatch), and the job ended at the timeout with MPI_Abort."""
+    rc, results, output, _ = _program(2, "failures_in_a_row", [1, 1], loop=loop)
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == [0, 1], output[-3000:]
+    for k in range(1, 5):
+        assert results[1][f"run{k}"] == ["ValueError", f"bad batch {k} on worker 1"]
+        name, message = results[0][f"run{k}"]
+        assert name == "ReplicaExitedError", message
+        assert f"call #0 of run {k}: worker 1 (replica 1) will not join it: its run {k} " in (
+            message
+        )
+    for result in results.values():
+        assert result["run5"] == [110.0] and result["reduce"] == 3.0, result
+        assert result["runs"] == 5, result
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_overlapped_calls_after_a_run_failed_elsewhere_pair_right(loop):
     """Worker 1's runs 1 and 3 fail after their last collective. Before, worker 0's
     next exchange met the stale failure header while its following one was already
