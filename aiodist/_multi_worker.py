@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import concurrent.futures
 import contextlib
 import contextvars
@@ -341,7 +342,7 @@ class _Run:
     the order, once it has one (``World.run_key``); its strategy's world, and the
     future done when it ends (set by ``MultiWorkerMirroredStrategy.run``)."""
 
-    __slots__ = ("ended", "number", "world")
+    __slots__ = ("__weakref__", "ended", "number", "world")
 
     def __init__(self, world: World | None = None, ended: asyncio.Future | None = None):
         self.number: int | None = None
@@ -412,7 +413,19 @@ class World:
         # became known failed: the order number of the place that told it (its
         # failure header's, a mismatch's). A place is classified from what the
         # places before it told, which every worker knows alike (see _agreed).
+        # Forgotten once no header of the run can still come (forget_failed_runs).
         self.failed_runs: dict[int, int] = {}
+        # This worker's numbered runs still referenced (a run in flight, a task it
+        # started that outlives it): only these can still post headers of a number
+        # this worker gave. Every header says the lowest run its sender may still
+        # post a header of ("low", see _low); _peer_lows keeps, for each peer, the
+        # places where its low rose: (place, low), in place order.
+        self._live_runs: weakref.WeakValueDictionary[int, _Run] = weakref.WeakValueDictionary()
+        # _low()'s value, or None once it may have changed (a run numbered or counted
+        # here, or one collected: set from the garbage collector's thread, so in a
+        # list the callbacks hold, not in the world).
+        self._low_known: list[int | None] = [None]
+        self._peer_lows: dict[int, collections.deque] = {}
         # Operations finishing for nobody, each with what it keeps alive (operate).
         self._background: dict[asyncio.Task, object] = {}
         # Operations finishing after their caller was cancelled wait on these too:
@@ -426,9 +439,11 @@ class World:
         self._recovering = False
         self._probe: asyncio.Future | None = None
         self._told: list = []  # abort messages sent (their buffers)
-        self._pending: list[_Posted] = []  # failure headers in flight (tell_failure)
-        # The order numbers of those whose peers' headers were read (_read_unread),
-        # and what each failure header found there said (run -> who and how).
+        # Exchanges nobody waits for (failure headers, exchanges given up) until their
+        # peers' headers are read and their sends done (_read_unread), the order
+        # numbers of those read, and what a failure header found there said, by run
+        # (forgotten with failed_runs).
+        self._pending: list[_Posted] = []
         self._read: set[int] = set()
         self._failures: dict[int, str] = {}
         self.closed = False
@@ -602,7 +617,53 @@ class World:
         if run.number is None:
             self.runs += 1
             run.number = self.runs
+            self._live_runs[run.number] = run
+            self._low_known[0] = None
+            weakref.finalize(run, self._low_known.__setitem__, 0, None).atexit = False
         return run.number
+
+    def _low(self) -> int:
+        """The lowest run number this worker may still post a header of: its lowest
+        live run's, else the next run's. Runs are numbered upwards and a run no
+        longer referenced posts nothing, so it never goes down. (A run held by
+        garbage, a traceback's cycle, counts until it is collected.) Cached: it
+        goes in every header."""
+        low = self._low_known[0]
+        if low is None:
+            self._low_known[0] = low = min(self._live_runs.keys(), default=self.runs + 1)
+        return low
+
+    def forget_failed_runs(self) -> None:
+        """Forget the failed runs no header can still be classified against, so a
+        long-lived server whose runs fail now and then keeps a few entries, not one
+        per failure (and no ``_failures`` text). Called as each run ends.
+
+        Done only with no operation of this worker in flight: every place it posted
+        is then classified, except those of ``_pending`` not read yet; let ``first``
+        be the lowest of these (or the next place). Every header at ``first`` or
+        later is one no lookup has met yet. A peer's carries a run of at least the
+        ``low`` its header at a place before ``first`` said (a peer posts its
+        headers in place order, and never one of a run below a low it sent); this
+        worker's, a run of at least its own ``_low()``. Lookups by run number are of
+        those headers' runs, or of this worker's live runs. So a run below all of
+        these is never looked up again: forgotten, nothing can change."""
+        if not (self.failed_runs or self._failures) or self._operations:
+            return
+        self._read_unread(math.inf)
+        unread = [p.mine["order"] for p in self._pending if p.mine["order"] not in self._read]
+        first = min(unread, default=self.order + 1)
+        floor = self._low()
+        for worker in range(self.size):
+            if worker == self.rank:
+                continue
+            stairs = self._peer_lows.get(worker)
+            while stairs and len(stairs) > 1 and stairs[1][0] < first:
+                stairs.popleft()  # (``first`` never goes down: not needed again)
+            low = stairs[0][1] if stairs and stairs[0][0] < first else 0
+            floor = min(floor, low)
+        for runs in (self.failed_runs, self._failures):
+            for run in [r for r in runs if r < floor]:
+                del runs[run]
 
     def who(self, worker: int) -> str:
         if not self.counts:  # during start-up
@@ -853,7 +914,13 @@ class World:
             key = hashlib.sha256(key.encode()).hexdigest()
         if run is None and (current := _current_run.get()) is not None:
             run = self.run_key(current)
-        mine = {"order": self.order + 1, "what": _short(what, 2000), "key": key, "run": run}
+        mine = {
+            "order": self.order + 1,
+            "what": _short(what, 2000),
+            "key": key,
+            "run": run,
+            "low": self._low(),
+        }
         mine.update(extra)
         # Headers have any length (a long list's shapes): each is sent as it is, and
         # received at the length a probe finds. No worker refuses a header another
@@ -874,8 +941,15 @@ class World:
 
     def _headers(self, mine: dict, received: dict) -> list[dict]:
         headers = {self.rank: mine}
+        place = mine["order"]
         for worker, receive in received.items():
-            headers[worker] = json.loads(bytes(receive.buffer))
+            headers[worker] = header = json.loads(bytes(receive.buffer))
+            # Where its low rose (forget_failed_runs). A place read after a later
+            # one is left out: its low is at most that one's, so the lows kept are
+            # never above a place's own (a forgotten run is only ever one too few).
+            stairs = self._peer_lows.setdefault(worker, collections.deque())
+            if not stairs or (place > stairs[-1][0] and header["low"] > stairs[-1][1]):
+                stairs.append((place, header["low"]))
         return [headers[w] for w in range(self.size)]
 
     def _check(self, headers: list[dict], what: str) -> None:
@@ -1103,6 +1177,7 @@ class World:
                         failed.append((worker, header["failed"]))
                     continue
                 self.runs = max(self.runs, theirs)  # (it numbered a run this one did not)
+                self._low_known[0] = None
                 if run is not None and theirs == run:
                     failed.append((worker, header["failed"]))
                 else:
@@ -1147,14 +1222,22 @@ class World:
         failed on two workers): every other worker saw it there, so this one must
         know that run failed too, or its own run of that number would meet the
         others' next run (a mismatch). Each peer's headers arrive in order, so
-        once a later place's are in, these are."""
+        once a later place's are in, these are. One read whose sends are done too
+        has nothing left to keep: it is dropped."""
+        if not self._pending:
+            return
+        done = False
         for posted in self._pending:
             order = posted.mine["order"]
             count = len(posted.peers)
             marks = posted.marks[:count]  # (empty until the thread posts them)
-            if order >= before or order in self._read or len(marks) < count or not all(marks):
+            if order in self._read:
+                done = done or posted.future.done()
+                continue
+            if order >= before or len(marks) < count or not all(marks):
                 continue
             self._read.add(order)
+            done = done or posted.future.done()
             for worker, header in enumerate(self._headers(posted.mine, posted.received)):
                 theirs = header.get("run")
                 if worker != self.rank and header.get("failed") and theirs not in self.failed_runs:
@@ -1162,6 +1245,12 @@ class World:
                     self._failures[theirs] = (
                         f"{self.who(worker)} will not join it: {header['failed']}"
                     )
+        if done:  # (its send buffer goes with it: MPI is done with it)
+            keep = [
+                p for p in self._pending if not (p.mine["order"] in self._read and p.future.done())
+            ]
+            self._read.intersection_update(p.mine["order"] for p in keep)
+            self._pending = keep
 
     def tell_failure(self, run: int, text: str) -> None:
         """This worker's run number ``run`` failed (``text`` says how): a *failure
@@ -1171,8 +1260,6 @@ class World:
         had finished that run, take the place as stale). Not waited for here: the
         peers' headers for that place need no check."""
         self._read_unread(math.inf)
-        self._pending = [p for p in self._pending if not p.future.done()]
-        self._read &= {p.mine["order"] for p in self._pending}
         self._run_failed(run, self.order + 1)  # (the place its failure header takes)
         if self.broken is not None or self._progress.aborted is not None or self.size == 1:
             return
@@ -1756,6 +1843,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             world.run_ended()  # (before the next run's exchanges)
             return result
         finally:
+            world.forget_failed_runs()
             ended.set_result(None)
 
     def _never_started(self, run: _Run, ended: asyncio.Future, _: object = None) -> None:
@@ -1766,6 +1854,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             number = world.run_key(run)
             if number not in world.failed_runs:
                 world.tell_failure(number, f"its run {number} was cancelled before it started")
+            world.forget_failed_runs()
         finally:
             ended.set_result(None)
 

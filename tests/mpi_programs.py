@@ -572,6 +572,51 @@ async def _failures_in_a_row(strategy: aiodist.Strategy) -> dict:
     return out
 
 
+async def _many_failures(strategy: aiodist.Strategy) -> dict:
+    """300 runs, each failing somewhere: worker 0's after its last collective, or
+    worker 1's before any while worker 0 starts two (one given up), in turns, then
+    150 failing on worker 1 only; then a run and a reduce that must pair. Before,
+    the world kept an entry (and a failure's text) per failed run for good. A run
+    is forgotten once nothing holds it: a failed run's traceback holds it in a
+    cycle until the garbage collector runs, and asyncio's loop keeps a cancelled
+    timer (a local rendezvous's, with the replica's context) until its deadline,
+    so the program waits (at most the 5 s timeout) for that first."""
+    w = strategy.worker_index
+    world = strategy._world
+
+    async def step(k):
+        ctx = aiodist.get_replica_context()
+        if w == 1 and k % 2 == 1:
+            raise ValueError(f"bad batch {k} on worker 1")
+        first = ctx.all_reduce("sum", np.float64(k))
+        second = ctx.all_reduce("sum", np.float64(10 * k))
+        total = await first + await second
+        if w == 0 and k % 2 == 0 and k < 300:
+            raise ValueError(f"bad result {k} on worker 0")
+        return total
+
+    for k in [*range(300), *range(301, 601, 2)]:
+        with contextlib.suppress(ValueError, aiodist.ReplicaExitedError):
+            await strategy.run(step, args=(k,))
+        if k % 25 == 0:
+            gc.collect()
+    deadline = time.monotonic() + 10
+    while world._live_runs and time.monotonic() < deadline:
+        gc.collect()
+        await asyncio.sleep(0.1)
+    last = strategy.experimental_local_results(await strategy.run(step, args=(1000,)))
+    with strategy.scope():
+        reduce = float(await strategy.reduce("sum", np.float64(w + 1), axis=None))
+    return {
+        "last": _plain(last),
+        "reduce": reduce,
+        "runs": world.runs,
+        "failed_runs": len(world.failed_runs),
+        "failures": len(world._failures),
+        "pending": len(world._pending) + len(world._read),
+    }
+
+
 async def _cancelled_in_turn(strategy: aiodist.Strategy) -> dict:
     """Runs A and B submitted together (B waits for A's end); worker 1 gives B up
     while it waits, then every worker runs C. Before, worker 1's B left no trace,
@@ -1129,6 +1174,10 @@ def main() -> None:
     if mode == "queued_after_a_timeout":
         strategy = _strategy(counts, timeout=1.5)
         _report(strategy, _run(_queued_after_a_timeout(strategy)))
+        return
+    if mode == "many_failures":
+        strategy = _strategy(counts, timeout=5.0)
+        _report(strategy, _run(_many_failures(strategy)))
         return
     if mode == "background_fails":
         strategy = _strategy(counts, timeout=1.5)

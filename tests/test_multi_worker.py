@@ -287,6 +287,22 @@ def test_failures_in_a_row_on_one_worker_keep_the_runs_paired(loop):
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_failed_runs_are_forgotten_once_no_header_of_them_can_come(loop):
+    """Before, every failed run stayed in World.failed_runs (and the peers' failure
+    texts in World._failures, and exchanges given up in World._pending) for good:
+    a server whose requests fail now and then grew without bound (450 entries
+    here). Now a run is forgotten once no worker can still post a header of it."""
+    rc, results, output, _ = _program(2, "many_failures", [1, 1], loop=loop)
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == [0, 1], output[-3000:]
+    for result in results.values():
+        assert result["last"] == [22000.0] and result["reduce"] == 3.0, result
+        assert result["runs"] == 451, result
+        assert result["failed_runs"] <= 10 and result["failures"] <= 10, result
+        assert result["pending"] == 0, result
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_overlapped_calls_after_a_run_failed_elsewhere_pair_right(loop):
     """Worker 1's runs 1 and 3 fail after their last collective. Before, worker 0's
     next exchange met the stale failure header while its following one was already
