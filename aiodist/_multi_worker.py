@@ -1937,8 +1937,12 @@ class MultiWorkerMirroredStrategy(Strategy):
             )
             totals.append(np.asarray(local))
             counts.append(count)
-        what = f"{method}({op.name}, {', '.join(map(leaf_text, totals))})"
-        key = repr((op.name, [(total.dtype.str, total.shape) for total in totals]))
+        along = "" if axis is None else f", axis={axis!r}"
+        what = f"{method}({op.name}, {', '.join(map(leaf_text, totals))}{along})"
+        # The method and axis too: strategy.reduce on one worker and reduce_to (or
+        # batch_reduce_to, or a reduce along an axis) on another, with results of one
+        # shape, would otherwise pair silently as one operation.
+        key = repr((method, op.name, axis, [(t.dtype.str, t.shape) for t in totals]))
         world = self._world
 
         async def body() -> tuple:

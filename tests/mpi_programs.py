@@ -617,6 +617,40 @@ async def _many_failures(strategy: aiodist.Strategy) -> dict:
     }
 
 
+async def _different_calls(strategy: aiodist.Strategy) -> dict:
+    """Worker 1 calls another cross-replica API than worker 0 at the same place,
+    with values of one shape: each outcome, then a reduce that must pair."""
+    w = strategy.worker_index
+    value = np.array([1.0, 2.0]) * (w + 1)
+    rows = np.arange(4.0).reshape(2, 2)
+
+    async def outcome(call):
+        try:
+            return _plain(await call)
+        except aiodist.AiodistError as exc:
+            return [type(exc).__name__, str(exc)]
+
+    with strategy.scope():
+        return {
+            "reduce_to": await outcome(
+                strategy.reduce("sum", value, axis=None)
+                if w == 0
+                else strategy.extended.reduce_to("sum", value, "cpu:0")
+            ),
+            "batch": await outcome(
+                strategy.extended.reduce_to("sum", value, "cpu:0")
+                if w == 0
+                else strategy.extended.batch_reduce_to("sum", [(value, "cpu:0")])
+            ),
+            "axis": await outcome(
+                strategy.reduce("sum", rows, axis=0)
+                if w == 0
+                else strategy.reduce("sum", value, axis=None)
+            ),
+            "after": await outcome(strategy.reduce("sum", value, axis=None)),
+        }
+
+
 async def _cancelled_in_turn(strategy: aiodist.Strategy) -> dict:
     """Runs A and B submitted together (B waits for A's end); worker 1 gives B up
     while it waits, then every worker runs C. Before, worker 1's B left no trace,
@@ -1151,6 +1185,7 @@ def _run(coro):
 _BOUNDED = (
     "failures_keep_the_order",
     "failures_in_a_row",
+    "different_calls",
     "close_in_flight",
     "fail_then_go_on",
     "give_up",
@@ -1206,6 +1241,7 @@ def main() -> None:
         "fail_then_go_on": _fail_then_go_on,
         "failures_keep_the_order": _failures_keep_the_order,
         "failures_in_a_row": _failures_in_a_row,
+        "different_calls": _different_calls,
         "overlapped": _overlapped,
         "overlapped_after_a_failure": _overlapped_after_a_failure,
         "overlapped_mismatch": _overlapped_mismatch,

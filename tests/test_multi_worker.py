@@ -176,6 +176,29 @@ def test_a_mismatch_between_workers_is_named_on_every_worker(loop):
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_different_cross_replica_calls_at_one_place_are_a_mismatch_naming_both(loop):
+    """Before, only the op and the result shapes were compared: strategy.reduce on
+    worker 0 and extended.reduce_to on worker 1 (or reduce_to and batch_reduce_to,
+    or a reduce along axis 0 and one of a value already of that shape) paired as one
+    operation and returned without an error."""
+    rc, results, output, _ = _program(2, "different_calls", [1, 1], loop=loop)
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == [0, 1], output[-3000:]
+    calls = {
+        "reduce_to": ("strategy.reduce(SUM, float64[2])", "reduce_to(SUM, float64[2])"),
+        "batch": ("reduce_to(SUM, float64[2])", "batch_reduce_to(SUM, float64[2])"),
+        "axis": ("strategy.reduce(SUM, float64[2], axis=0)", "strategy.reduce(SUM, float64[2])"),
+    }
+    for result in results.values():
+        for case, (first, second) in calls.items():
+            name, message = result[case]
+            assert name == "CollectiveMismatchError", (case, message)
+            assert f"worker 0 (replica 0): {first} (cross-worker" in message, message
+            assert f"worker 1 (replica 1): {second} (cross-worker" in message, message
+        assert result["after"] == [3.0, 6.0], result
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_mismatch_of_overlapped_collectives_names_its_own_operation_number(loop):
     """Before, the message named the latest operation this worker had posted (#3,
     the second all_reduce's) while every header it listed said #2."""
