@@ -134,6 +134,45 @@ def _close_unstarted(coro: Any, own: bool = True) -> None:
         _close_unstarted(each)
 
 
+def _unstarted_chain(coro: Any) -> list:
+    """``coro``, an unstarted replica coroutine, and those ``_close_unstarted`` would
+    close beneath it: held until they can be closed (see RunGroup._replica_task_ended),
+    since a task cancelled before its first step drops them unawaited."""
+    chain = [coro]
+    for each in chain:  # (grows as it goes: each wrapper's own inner coroutines)
+        if each.cr_code in _WRAPPER_CODES:
+            chain.extend(
+                v for v in inspect.getcoroutinelocals(each).values() if type(v) is CoroutineType
+            )
+    return chain
+
+
+class _ReplicaTask(asyncio.Task):
+    """A replica's task on Python 3.11 without a task factory.
+
+    Its first step is not eager (only 3.12+ has eager tasks), so other code may
+    cancel it before that step: asyncio then throws CancelledError into a coroutine
+    that never started, and ``_replica``, which tells the run how its replica ended,
+    never runs; the run would wait for that replica for ever. ``cancel`` notices that
+    case and has the task's end told to the run (``_replica_task_ended``). Only a
+    cancel pays for it, never a run's usual steps (the class is C's Task plus this
+    one method, with no instance dict)."""
+
+    __slots__ = ()
+
+    def cancel(self, msg: Any = None) -> bool:
+        coro = self.get_coro()
+        if (
+            not self.done()
+            and coro.cr_code is _REPLICA_CODE
+            and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED
+        ):
+            arguments = inspect.getcoroutinelocals(coro)
+            group, rid = arguments["group"], arguments["rid"]
+            self.add_done_callback(partial(group._replica_task_ended, rid, _unstarted_chain(coro)))
+        return super().cancel(msg)
+
+
 @types.coroutine
 def _first_then_rest(coro: Any, group: RunGroup | None = None, number: int = 0) -> Any:
     """The coroutine of an async merge_fn's task on Python 3.11, started eagerly by
@@ -284,6 +323,7 @@ async def _replica(
 # The wrappers a replica's (see _coroutines) or a merge_fn's (see _merge) coroutine
 # may be made of.
 _WRAPPER_CODES = frozenset(f.__code__ for f in (_replica, _traced, drive, _then, _await))
+_REPLICA_CODE = _replica.__code__
 
 _MAY_HOLD_DISTRIBUTED = (DistributedValues, list, tuple, dict)
 
@@ -573,15 +613,18 @@ class RunGroup:
                     # No loop=: the task takes the running loop, this one; a keyword
                     # argument less for Task's __init__ to parse, per replica (1.1k
                     # instructions of a (c) step).
+                    # (_ReplicaTask: C's Task, which a replica cancelled before its
+                    # first step cannot leave waiting; see there.)
                     for coro in coroutines:
-                        tasks.append(asyncio.Task(coro, name=names[len(tasks)]))
+                        tasks.append(_ReplicaTask(coro, name=names[len(tasks)]))
                 await all_done
             else:
                 for slot, name, coro in zip(slots, names, coroutines):  # noqa: B905
                     context = self._base.copy()  # a custom factory sees the replica's state
                     context.run(set_state, self._state(slot.replica_id))
                     try:
-                        tasks.append(loop.create_task(coro, name=name, context=context))
+                        task = loop.create_task(coro, name=name, context=context)
+                        tasks.append(task)
                     except BaseException as exc:
                         # The factory failed: the run fails with its error, as when a
                         # replica raises (the tasks made have not run, unless the factory
@@ -593,6 +636,16 @@ class RunGroup:
                         for i, each in enumerate(coroutines):
                             _close_unstarted(each, own=i >= len(tasks))
                         break
+                    if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+                        # Not started by the factory (an eager one): something may
+                        # cancel the task before its first step, which the run then
+                        # hears of from here (see _ReplicaTask, and
+                        # _replica_task_ended).
+                        task.add_done_callback(
+                            partial(
+                                self._replica_task_ended, slot.replica_id, _unstarted_chain(coro)
+                            )
+                        )
                 else:
                     await all_done
             if self._cancelling or self._aux:  # replicas cancelled after a failure, or
@@ -788,6 +841,33 @@ class RunGroup:
         # run waits for the tasks themselves instead (_drain).
         if not self._all_done.done():
             self._all_done.set_result(None)
+
+    def _replica_task_ended(self, rid: int, unstarted: list, task: asyncio.Task) -> None:
+        """Done callback of replica ``rid``'s task, where it may have been cancelled
+        before its first step (with a task factory; on Python 3.11 without one, added
+        by ``_ReplicaTask.cancel``). ``unstarted``: its replica coroutine and those
+        beneath it (``_unstarted_chain``).
+
+        Cancelled then, the task never ran ``_replica``, which tells the run how a
+        replica ended: this tells it instead, as ``_replica`` does for a replica
+        cancelled later (``_replica_failed``: ReplicaExitedError unless the run
+        cancelled it itself), so the run ends rather than waiting for that replica
+        for ever. The coroutines that never started are closed, so Python does not
+        warn that they were never awaited."""
+        for coro in unstarted:
+            if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+                coro.close()
+        if not task.cancelled() or self._results[rid] is not _NO_RESULT:
+            return
+        # A replica that ran and raised or was cancelled has told the run already
+        # (_replica_failed, queued before this callback): its exit is noted.
+        rendezvous = self._rendezvous
+        if rendezvous is not None:
+            if rid in rendezvous.exited:
+                return
+        elif any(replica == rid for replica, _ in self._exits):
+            return
+        self._replica_failed(rid, asyncio.CancelledError())
 
     def _cancel_all(self) -> None:
         self._cancelling = True

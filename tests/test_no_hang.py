@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import sys
 import time
 import weakref
 from functools import partial
@@ -368,6 +369,55 @@ async def test_a_replica_cancelled_by_another_task_fails_the_run_as_documented(t
         await three.run(fn)
     await watching
     assert sorted(cancelled) == [0, 1, 2]
+
+
+async def _instrumented(coro):
+    return await coro
+
+
+# Ways replica tasks are made that leave a window before their first step: asyncio's
+# own tasks on Python 3.11 (3.12+ starts them eagerly), and task factories that are
+# not eager (one that wraps the coroutine never starts the replica's own).
+_NOT_EAGER = {
+    "no factory": None,
+    "factory": lambda loop, coro, **kwargs: asyncio.Task(coro, loop=loop, **kwargs),
+    "wrapping factory": lambda loop, coro, **kwargs: asyncio.Task(
+        _instrumented(coro), loop=loop, **kwargs
+    ),
+}
+
+
+@pytest.mark.parametrize("others", ["wait", "return"])
+@pytest.mark.parametrize("factory", list(_NOT_EAGER))
+async def test_a_replica_cancelled_before_its_first_step_fails_the_run(three, factory, others):
+    """A replica's task cancelled by other code before its first step never runs its
+    coroutine, so the scheduler's wrapper never told the run: it waited for that
+    replica for ever (the others waiting in a collective, or returned). It fails as
+    one cancelled later does (ReplicaExitedError), nothing warns of a coroutine never
+    awaited, and the strategy serves the next run."""
+    if _NOT_EAGER[factory] is None and sys.version_info >= (3, 12):
+        pytest.skip("Python 3.12+ starts replica tasks eagerly: no window before a first step")
+    started, cancelled = [], []
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        started.append(rid())
+        if rid() == 0:
+            for task in asyncio.all_tasks():  # code that got hold of a sibling's task
+                if task.get_name() == "aiodist-replica-2" and 2 not in started:
+                    cancelled.append(task.cancel())
+        if others == "wait":
+            return await ctx.all_reduce("sum", 1.0)
+        return rid()
+
+    with task_factory(_NOT_EAGER[factory]) if _NOT_EAGER[factory] else contextlib.nullcontext():
+        with pytest.raises(aiodist.ReplicaExitedError, match="replica 2 was cancelled by some"):
+            await three.run(fn)
+        gc.collect()  # (a coroutine dropped unawaited would warn here: an error)
+        assert cancelled == [True] and sorted(started) == [0, 1]
+        assert three.statistics().runs_in_flight == 0
+        started.clear()
+        assert await three.run(lambda: 7) == 7
 
 
 async def test_merge_fn_exception_reaches_every_replica_uncaught(three):
