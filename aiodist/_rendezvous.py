@@ -36,6 +36,10 @@ in every replica already waiting in it and in every replica that arrives later:
   has still not arrived (``RendezvousTimeoutError``, naming the missing ones);
 - *close*: the group is torn down while calls are pending.
 
+Nor is a failure lost: a call that failed where no replica retrieved its error
+(each started it and never awaited it) is returned by ``close`` for the owner to
+raise (a run raises it once every replica has returned).
+
 Futures are created on the running loop at arrival, so an engine is not tied to
 a loop before it is used; the scheduler still makes one engine per run.
 """
@@ -184,6 +188,20 @@ class Tally:
     def __init__(self) -> None:
         self.collectives: dict[str, int] = {}
         self.seconds_waiting = 0.0
+
+
+def _unretrieved(call: _Call) -> bool:
+    """No replica has retrieved the failure of ``call``, a failed call: it was set on
+    at least one replica's future, and none of those was awaited (or had its
+    exception read). (Futures that a replica cancelled never held it.) A future
+    without asyncio's ``_log_traceback`` flag, a loop's own kind, counts as
+    retrieved: nothing is raised that may have been seen."""
+    holders = [
+        future
+        for future in call.futures
+        if future is not None and future.done() and not future.cancelled()
+    ]
+    return bool(holders) and all(getattr(f, "_log_traceback", False) for f in holders)
 
 
 def _closed(number: int, signature: Signature, payloads: list) -> list:
@@ -405,12 +423,18 @@ class Rendezvous:
             if number >= made and call.failure is None:
                 self._fail(call, ReplicaExitedError(self._exit_message(call, replica, how)))
 
-    def close(self, reason: str = "the run finished", quiet: bool = False) -> None:
+    def close(self, reason: str = "the run finished", quiet: bool = False) -> BaseException | None:
         """Fail every pending call and every later arrival; cancel timers.
+
+        Returns the failure of the first call that failed with no replica having
+        retrieved it (every replica that made the call started it and never awaited
+        it), for the owner to raise: an error nobody saw must not be lost. None when
+        there is none, or when ``quiet``.
 
         ``quiet``: the owner raises an error of its own (its run failed), so the
         failures of collectives a replica started and never awaited are not logged
-        as "Future exception was never retrieved" as well.
+        as "Future exception was never retrieved" as well (nor when one is returned:
+        the owner raises that).
         """
         self._execute = _closed  # drops the owner's bound method: no reference cycle
         if self._closed is None:
@@ -420,13 +444,20 @@ class Rendezvous:
                 if call.failure is None:  # a failed call's timer was cancelled then
                     self._fail(call, self._closed_error())
             self._pending.clear()
-        if quiet:
-            self._quiet = True
-            for call in self._failed or ():
-                for future in call.futures:
-                    if future is not None and future.done() and not future.cancelled():
-                        future.exception()  # marks it retrieved
-        self._failed = None
+        failed, self._failed = self._failed, None
+        unseen = None
+        if not quiet:
+            if not failed:  # the usual close: no call failed
+                return None
+            unseen = next((call.failure for call in failed if _unretrieved(call)), None)
+            if unseen is None:  # each failure reached some replica: nothing lost
+                return None
+        self._quiet = True
+        for call in failed or ():
+            for future in call.futures:
+                if future is not None and future.done() and not future.cancelled():
+                    future.exception()  # marks it retrieved
+        return unseen
 
     def _closed_error(self) -> RendezvousError:
         """The one error every call failed by ``close`` raises."""

@@ -686,7 +686,11 @@ class RunGroup:
                 # run's call without a keyword argument: a specialised call, 0.2k
                 # instructions of a (c) step.)
                 if self._failure is None and not self._cancelling:
-                    self._rendezvous.close()
+                    # Every replica returned, but a collective one of them started and
+                    # none awaited may have failed (a mismatch, a replica that never
+                    # joined it, a timeout, its merge_fn): close() returns the first
+                    # such error, which the run raises (None, the usual: it returns).
+                    self._failure = self._rendezvous.close()
                 else:
                     self._rendezvous.close(quiet=True)
             # Break group -> task -> context -> state -> group, so a finished run is

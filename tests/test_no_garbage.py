@@ -93,6 +93,14 @@ async def test_failed_runs_leave_no_cyclic_garbage(two):
         except KeyError:
             return None
 
+    async def never_awaited_fails():  # run raises the errors no replica retrieved
+        ctx = aiodist.get_replica_context()
+        ctx.all_reduce("max" if ctx.replica_id_in_sync_group else "sum", one)
+        ctx.merge_call(merge_raises)
+
+    async def merge_fn_raises_never_awaited():  # (raised with merge_fn's traceback)
+        aiodist.get_replica_context().merge_call(merge_raises)
+
     async def run(fn):
         with contextlib.suppress(ValueError, KeyError, aiodist.RendezvousError):
             await two.run(fn)
@@ -103,7 +111,15 @@ async def test_failed_runs_leave_no_cyclic_garbage(two):
 
     cases = [
         partial(run, fn)
-        for fn in (replica_raises, replica_exits, mismatch, merge_fn_raises, merge_fn_raises_caught)
+        for fn in (
+            replica_raises,
+            replica_exits,
+            mismatch,
+            merge_fn_raises,
+            merge_fn_raises_caught,
+            never_awaited_fails,
+            merge_fn_raises_never_awaited,
+        )
     ]
     for case in (*cases, default_context):
         for _ in range(5):  # warm-up: caches, first-use objects

@@ -95,9 +95,10 @@ async def test_the_exit_message_says_who_waits_and_who_finished(two):
             started.append(aiodist.get_replica_context().all_reduce("sum", 1.0))
         return rid()
 
-    await two.run(never_awaits)
+    # (No replica awaited the failed call: the run raises its error.)
     with pytest.raises(aiodist.ReplicaExitedError) as info:
-        await started[0]
+        await two.run(never_awaits)
+    assert started[0].exception() is info.value
     assert (
         "all_reduce #0: replica 1 returned without calling it, while replica 0 called it "
         "and has finished since; every replica"
@@ -955,6 +956,88 @@ async def test_a_merge_call_never_awaited_logs_nothing_when_its_run_fails_meanwh
         await asyncio.sleep(0)  # the callback that fails the call
         gc.collect()
     assert "never retrieved" not in caplog.text
+
+
+class _Lost(Exception):
+    """A merge_fn's error that no replica awaits."""
+
+
+@pytest.mark.parametrize(
+    "failure", ["mismatch", "replica exit", "timeout", "merge_fn", "async merge_fn"]
+)
+async def test_a_collective_that_failed_unawaited_fails_the_run(failure, caplog):
+    """SPEC §4: a collective is registered at the call and may be awaited later. When
+    no replica ever awaits one that fails, run used to return normally and the error
+    was lost (at most asyncio's "Future exception was never retrieved" in the log):
+    run raises it, the first such one, and nothing is logged besides."""
+    timeout = 0.02 if failure == "timeout" else None
+    strategy = aiodist.MirroredStrategy(
+        cpu_devices(2), communication_options=aiodist.CommunicationOptions(timeout_seconds=timeout)
+    )
+    raised = _Lost("from merge_fn")
+    timed_out = asyncio.Event()
+
+    def merge_fn(strategy):
+        raise raised
+
+    async def async_merge_fn(strategy):
+        await asyncio.sleep(0)
+        raise raised
+
+    async def step():
+        ctx = aiodist.get_replica_context()
+        if failure == "mismatch":  # two failed calls: the first one's error is raised
+            ctx.all_reduce("sum", np.ones(2 + rid()))
+            ctx.all_reduce("max", np.ones(3 + rid()))
+        elif failure == "replica exit" and rid() == 0:
+            ctx.all_reduce("sum", 1.0)  # replica 1 returns without calling it
+        elif failure == "timeout":
+            if rid() == 0:
+                pending = ctx.all_reduce("sum", 1.0)
+                await wait_until(pending.done, "the call timed out")  # (not retrieved)
+                timed_out.set()
+            await timed_out.wait()  # replica 1 never calls it
+        elif failure.endswith("merge_fn"):
+            ctx.merge_call(merge_fn if failure == "merge_fn" else async_merge_fn)
+        return rid()
+
+    expected = {
+        "mismatch": (aiodist.CollectiveMismatchError, r"collective #0 does not match"),
+        "replica exit": (aiodist.ReplicaExitedError, r"all_reduce #0: replica 1 returned"),
+        "timeout": (aiodist.RendezvousTimeoutError, r"all_reduce #0: timed out"),
+        "merge_fn": (_Lost, "from merge_fn"),
+        "async merge_fn": (_Lost, "from merge_fn"),
+    }[failure]
+    with pytest.raises(expected[0], match=expected[1]) as info:
+        await strategy.run(step)
+    if failure.endswith("merge_fn"):
+        assert info.value is raised
+    del info
+    assert strategy.statistics().runs_in_flight == 0
+    result = await strategy.run(lambda: aiodist.get_replica_context().all_reduce("sum", 1.0))
+    assert [float(v) for v in strategy.experimental_local_results(result)] == [2.0, 2.0]
+    gc.collect()
+    assert "never retrieved" not in caplog.text
+
+
+async def test_a_collective_failure_some_replica_saw_does_not_fail_the_run(two, caplog):
+    """A failed collective that a replica awaited (and handled) is not lost: only
+    errors no replica retrieved fail a run that every replica returned from. Nor does
+    a collective that succeeded unawaited."""
+    seen = []
+
+    async def step():
+        ctx = aiodist.get_replica_context()
+        ctx.all_reduce("sum", 1.0)  # never awaited, succeeds
+        pending = ctx.all_reduce("sum", np.ones(2 + rid()))  # a mismatch
+        if rid() == 0:
+            with contextlib.suppress(aiodist.CollectiveMismatchError):
+                await pending
+            seen.append(rid())
+        return rid()
+
+    assert two.experimental_local_results(await two.run(step)) == (0, 1)
+    assert seen == [0]
 
 
 async def test_a_failed_run_is_freed_at_once_while_stall_reports_are_armed(two):
