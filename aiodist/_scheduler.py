@@ -377,7 +377,6 @@ class RunGroup:
     _lane = 0  # this run's lane of tracks in the trace being recorded (see _trace)
     # While tracing: call number -> [trace, time it completed, waits still to end].
     _completions: dict[int, list] | None = None
-    _closes_rendezvous = True  # run() closes it (the default group's lives on)
 
     def __init__(self, strategy: Strategy, slots: tuple[ReplicaSlot, ...]):
         self.strategy = strategy
@@ -433,7 +432,7 @@ class RunGroup:
                 self._execute,
                 ensure,
                 self._loop,
-                self._closes_rendezvous,  # keeps_failures
+                True,  # keeps_failures: run() closes it (see Rendezvous.close)
                 self.strategy._counters,  # tally
             )
             # The usual run: no replica has finished yet, and the run has not. (One
@@ -1310,7 +1309,6 @@ class DefaultGroup(RunGroup):
     cross-replica context, built from the caller's context at each call.
     """
 
-    _closes_rendezvous = False
     _merge_task: asyncio.Task | None = None  # an async merge_fn's, while arrive() runs
 
     def __init__(self, strategy: Strategy, slots: tuple[ReplicaSlot, ...]):
@@ -1328,7 +1326,7 @@ class DefaultGroup(RunGroup):
             self._execute,
             None,  # watch
             None,  # loop: each arrival's running one
-            self._closes_rendezvous,  # keeps_failures (False: it is never closed)
+            False,  # keeps_failures: it is never closed
             strategy._counters,
         )
 
