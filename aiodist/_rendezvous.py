@@ -181,7 +181,8 @@ class InFlight(NamedTuple):
 
 class Tally:
     """Counts of completed calls: by collective name, and the seconds they waited
-    (from their first arrival to their last), summed."""
+    (from their first arrival to their last), summed. Updated with no call between
+    a read and its write, so runs on other threads' loops lose none (see _complete)."""
 
     __slots__ = ("collectives", "seconds_waiting")
 
@@ -539,9 +540,18 @@ class Rendezvous:
             call.timer.cancel()
         name = call.name
         tally = self.tally
+        # Runs on event loops in other threads count here too. No call between a
+        # count's read and its write (CPython switches threads only at calls and
+        # backward jumps), so none of theirs is lost: not completed.get(name, 0) + 1,
+        # nor perf_counter() inside the +=.
         completed = tally.collectives
-        completed[name] = completed.get(name, 0) + 1
-        tally.seconds_waiting += perf_counter() - call.started
+        try:
+            completed[name] += 1
+        except KeyError:  # the first call of its kind (setdefault: one C call)
+            completed.setdefault(name, 0)
+            completed[name] += 1
+        waited = perf_counter() - call.started
+        tally.seconds_waiting += waited
         try:
             execute = self._execute  # (as self._watch in arrive: with it, 0.3k a (c) step)
             results = execute(call.number, call.first, call.payloads)

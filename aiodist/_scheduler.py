@@ -1024,7 +1024,9 @@ class RunGroup:
             arrays = []
             for payload in payloads:
                 arrays.append(payload[ARRAYS][0])
-            strategy._counters.bytes_reduced += arrays[0].nbytes * len(arrays)
+            # (No call inside the +=: see Rendezvous._complete.)
+            nbytes = arrays[0].nbytes * len(arrays)
+            strategy._counters.bytes_reduced += nbytes
             return ops._all_reduce_one(op_or_axis, arrays, devices, options, streams)
         self._count_bytes(signature.name, payloads)
         arrays = [payload[ARRAYS] for payload in payloads]
