@@ -39,7 +39,7 @@ import types
 from asyncio import get_running_loop
 from collections.abc import Callable, Sequence
 from functools import partial
-from inspect import CO_COROUTINE
+from inspect import CO_ASYNC_GENERATOR, CO_COROUTINE
 from operator import attrgetter
 from types import CoroutineType, GeneratorType
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -48,7 +48,12 @@ from . import _nest, _trace
 from ._backends import cpu_backend
 from ._context import _State, set_state
 from ._devices import Device
-from ._errors import ContextError, RendezvousTimeoutError, ReplicaExitedError
+from ._errors import (
+    ContextError,
+    InvalidArgumentError,
+    RendezvousTimeoutError,
+    ReplicaExitedError,
+)
 from ._options import CommunicationOptions
 from ._rendezvous import Rendezvous, Signature
 from ._replica_context import (
@@ -171,6 +176,17 @@ class _ReplicaTask(asyncio.Task):
             group, rid = arguments["group"], arguments["rid"]
             self.add_done_callback(partial(group._replica_task_ended, rid, _unstarted_chain(coro)))
         return super().cancel(msg)
+
+
+def _async_generator_refused(fn: Callable) -> InvalidArgumentError:
+    """The error for an async generator function passed to run: its replicas would
+    each "return" an async generator that nothing iterates."""
+    return InvalidArgumentError(
+        f"run: fn={fn!r} is an async generator function (an async def with yield in "
+        "it); expected an async def function that returns its result. Return the "
+        "values (a list of them) instead of yielding them, or run the step once per "
+        "value."
+    )
 
 
 @types.coroutine
@@ -582,6 +598,8 @@ class RunGroup:
                     _close_unstarted(coro)
                 raise
         else:
+            if code is not None and code.co_flags & CO_ASYNC_GENERATOR:
+                raise _async_generator_refused(fn)
             coroutines = self._coroutines(fn, args, kwargs, is_async, plain_args)
             if not self._on_host:
                 # GPUs: the replicas' work waits for what the caller queued on the

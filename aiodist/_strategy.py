@@ -374,7 +374,8 @@ class Strategy:
     ) -> Any:
         """Run ``fn(*args, **kwargs)`` once per replica and return the regrouped results.
 
-        ``fn`` is an ``async def`` function or a plain one. Distributed values in
+        ``fn`` is an ``async def`` function or a plain one (an async generator
+        function is refused with ``InvalidArgumentError``). Distributed values in
         ``args``/``kwargs`` are unwrapped to each replica's component. A result
         that is the same object on every replica stays one object; otherwise it
         becomes ``PerReplica``. If a replica raises, the others are cancelled and

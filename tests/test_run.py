@@ -271,6 +271,20 @@ async def test_args_must_be_list_or_tuple(two):
         await two.run(fn, args=5)
 
 
+async def test_an_async_generator_function_is_refused_naming_it(two):
+    """An async def with a yield in it gave each replica's unstarted async generator
+    back as its "result"; it is refused, saying what to pass instead."""
+
+    async def step():
+        yield 1.0
+
+    with pytest.raises(
+        aiodist.InvalidArgumentError, match=r"fn=<function .*step.* is an async gen"
+    ):
+        await two.run(step)
+    assert await two.run(lambda: 1.0) == 1.0  # the strategy is usable after
+
+
 async def test_per_replica_of_wrong_length_is_rejected(two, three):
     per3 = three.experimental_distribute_values_from_function(lambda ctx: 1)
 
