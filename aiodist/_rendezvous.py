@@ -435,7 +435,7 @@ class Rendezvous:
         ``quiet``: the owner raises an error of its own (its run failed), so the
         failures of collectives a replica started and never awaited are not logged
         as "Future exception was never retrieved" as well (nor when one is returned:
-        the owner raises that).
+        the owner raises that; nor when every failure reached some replica).
         """
         self._execute = _closed  # drops the owner's bound method: no reference cycle
         if self._closed is None:
@@ -450,9 +450,10 @@ class Rendezvous:
         if not quiet:
             if not failed:  # the usual close: no call failed
                 return None
+            # (None when each failure reached some replica: nothing lost. Its other
+            # replicas' futures are then marked retrieved below too: asyncio would log
+            # as "never retrieved" an error that a replica has handled.)
             unseen = next((call.failure for call in failed if _unretrieved(call)), None)
-            if unseen is None:  # each failure reached some replica: nothing lost
-                return None
         self._quiet = True
         for call in failed or ():
             for future in call.futures:

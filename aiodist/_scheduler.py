@@ -667,6 +667,14 @@ class RunGroup:
                     await all_done
             if self._cancelling or self._aux:  # replicas cancelled after a failure, or
                 await self._drain()  # merge_fns still running for collectives nobody awaited
+            rendezvous = self._rendezvous
+            if rendezvous is not None and rendezvous._failed and self._failure is None:
+                # A collective failed, and the run may have to raise it if no replica
+                # retrieved its error (see close() below): first a loop turn, so that
+                # done callbacks already queued (a replica's reading it) have run. (On
+                # Python 3.12+ the replicas may all have returned in their eager first
+                # steps, with no turn of the loop since.)
+                await asyncio.sleep(0)
         except asyncio.CancelledError:
             self._cancel_all()
             await self._drain()
@@ -875,11 +883,24 @@ class RunGroup:
         cancelled it itself), so the run ends rather than waiting for that replica
         for ever. The coroutines that never started are closed, so Python does not
         warn that they were never awaited."""
+        started = inspect.getcoroutinestate(unstarted[0]) != inspect.CORO_CREATED
         for coro in unstarted:
             if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
                 coro.close()
-        if not task.cancelled() or self._results[rid] is not _NO_RESULT:
+        if self._results[rid] is not _NO_RESULT:
             return
+        if task.cancelled():
+            exc: BaseException = asyncio.CancelledError()
+        elif started:  # _replica ran, and told the run how the replica ended
+            return
+        else:
+            # A task factory's own coroutine ended before it started the replica's:
+            # it raised (the run fails with that, as with a replica's exception), or
+            # returned without awaiting it.
+            exc = task.exception() or ReplicaExitedError(
+                f"replica {rid}'s task ended without running the replica function: the "
+                "task factory's coroutine returned without awaiting the one it was given."
+            )
         # A replica that ran and raised or was cancelled has told the run already
         # (_replica_failed, queued before this callback): its exit is noted.
         rendezvous = self._rendezvous
@@ -888,7 +909,7 @@ class RunGroup:
                 return
         elif any(replica == rid for replica, _ in self._exits):
             return
-        self._replica_failed(rid, asyncio.CancelledError())
+        self._replica_failed(rid, exc)
 
     def _cancel_all(self) -> None:
         self._cancelling = True

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import inspect
 import sys
 import time
 import weakref
@@ -419,6 +420,44 @@ async def test_a_replica_cancelled_before_its_first_step_fails_the_run(three, fa
         assert three.statistics().runs_in_flight == 0
         started.clear()
         assert await three.run(lambda: 7) == 7
+
+
+async def _raises_first(coro):
+    await asyncio.sleep(0)
+    raise LookupError("the factory's coroutine failed")
+
+
+async def _returns_first(coro):
+    await asyncio.sleep(0)
+    return None
+
+
+@pytest.mark.parametrize("wrapper", [_raises_first, _returns_first])
+async def test_a_factorys_task_ending_before_it_starts_the_replica_fails_the_run(two, wrapper):
+    """A task factory whose own coroutine ends before it awaits the replica's (it
+    raised, or returned) left the run waiting for that replica for ever. The run
+    fails: with that coroutine's exception, or a ReplicaExitedError naming the
+    replica; nothing warns of a coroutine never awaited."""
+
+    def factory(loop, coro, **kwargs):
+        if inspect.getcoroutinelocals(coro).get("rid") == 1:  # replica 1's task
+            coro = wrapper(coro)
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    async def fn():
+        return await aiodist.get_replica_context().all_reduce("sum", 1.0)
+
+    expected = (
+        (LookupError, "the factory's coroutine failed")
+        if wrapper is _raises_first
+        else (aiodist.ReplicaExitedError, r"replica 1's task ended without running")
+    )
+    with task_factory(factory):
+        with pytest.raises(expected[0], match=expected[1]):
+            await asyncio.wait_for(two.run(fn), 10)
+    gc.collect()  # (a coroutine dropped unawaited would warn here: an error)
+    assert two.statistics().runs_in_flight == 0
+    assert await two.run(lambda: 7) == 7
 
 
 async def test_merge_fn_exception_reaches_every_replica_uncaught(three):
@@ -1038,6 +1077,26 @@ async def test_a_collective_failure_some_replica_saw_does_not_fail_the_run(two, 
 
     assert two.experimental_local_results(await two.run(step)) == (0, 1)
     assert seen == [0]
+    gc.collect()  # replica 1's future of that failure: handled, so not logged
+    assert "never retrieved" not in caplog.text
+
+
+async def test_a_failure_read_by_a_done_callback_does_not_fail_the_run(two, caplog):
+    """A failed collective whose error a done callback reads was retrieved: the run
+    returns. On Python 3.12+ the replicas return in their eager first steps, before
+    any loop turn, so run must let the queued callbacks run before it decides (it
+    raised the error there, and returned on 3.11)."""
+    handled = []
+
+    async def step():
+        pending = aiodist.get_replica_context().all_reduce("sum", np.ones(2 + rid()))
+        pending.add_done_callback(lambda future: handled.append(type(future.exception())))
+        return rid()
+
+    assert two.experimental_local_results(await two.run(step)) == (0, 1)
+    assert handled == [aiodist.CollectiveMismatchError] * 2
+    gc.collect()
+    assert "never retrieved" not in caplog.text
 
 
 async def test_a_failed_run_is_freed_at_once_while_stall_reports_are_armed(two):
