@@ -426,6 +426,10 @@ class World:
         # list the callbacks hold, not in the world).
         self._low_known: list[int | None] = [None]
         self._peer_lows: dict[int, collections.deque] = {}
+        # The places this worker posted a header at whose peers' headers are not
+        # read yet (_headers reads them): the lowest is where forget_failed_runs
+        # stops, the places before it being classified for good.
+        self._unread: set[int] = set()
         # Operations finishing for nobody, each with what it keeps alive (operate).
         self._background: dict[asyncio.Task, object] = {}
         # Operations finishing after their caller was cancelled wait on these too:
@@ -636,22 +640,23 @@ class World:
     def forget_failed_runs(self) -> None:
         """Forget the failed runs no header can still be classified against, so a
         long-lived server whose runs fail now and then keeps a few entries, not one
-        per failure (and no ``_failures`` text). Called as each run ends.
+        per failure (and no ``_failures`` text); and the peers' lows that no longer
+        matter, so that it keeps a few of those too, whether runs fail or not (a
+        peer's low rises with each of its runs). Called as each run ends.
 
-        Done only with no operation of this worker in flight: every place it posted
-        is then classified, except those of ``_pending`` not read yet; let ``first``
-        be the lowest of these (or the next place). Every header at ``first`` or
-        later is one no lookup has met yet. A peer's carries a run of at least the
-        ``low`` its header at a place before ``first`` said (a peer posts its
-        headers in place order, and never one of a run below a low it sent); this
-        worker's, a run of at least its own ``_low()``. Lookups by run number are of
-        those headers' runs, or of this worker's live runs. So a run below all of
-        these is never looked up again: forgotten, nothing can change."""
-        if not (self.failed_runs or self._failures) or self._operations:
-            return
+        Let ``first`` be the lowest place this worker posted a header at whose
+        peers' headers are not read yet (``_unread``: an exchange in flight, one of
+        ``_pending``), or the next place: every place before it is classified for
+        good, and every header at ``first`` or later is one no lookup has met yet.
+        A peer's carries a run of at least the ``low`` its last header before
+        ``first`` said (a peer posts its headers in place order, and never one of a
+        run below a low it sent): of each peer's lows, that one and those after it
+        are all that is kept. This worker's headers carry a run of at least its
+        own ``_low()``. Lookups by run number are of those headers' runs, or of
+        this worker's live runs. So a run below all of these is never looked up
+        again: forgotten, nothing can change."""
         self._read_unread(math.inf)
-        unread = [p.mine["order"] for p in self._pending if p.mine["order"] not in self._read]
-        first = min(unread, default=self.order + 1)
+        first = min(self._unread, default=self.order + 1)
         floor = self._low()
         for worker in range(self.size):
             if worker == self.rank:
@@ -662,8 +667,9 @@ class World:
             low = stairs[0][1] if stairs and stairs[0][0] < first else 0
             floor = min(floor, low)
         for runs in (self.failed_runs, self._failures):
-            for run in [r for r in runs if r < floor]:
-                del runs[run]
+            if runs:
+                for run in [r for r in runs if r < floor]:
+                    del runs[run]
 
     def who(self, worker: int) -> str:
         if not self.counts:  # during start-up
@@ -927,6 +933,7 @@ class World:
         # accepts (a fixed limit did, where shapes differ between workers).
         send = np.frombuffer(json.dumps(mine).encode(), np.uint8)
         self.order += 1
+        self._unread.add(self.order)
         MPI, comm = self.MPI, self.comm
         peers = [w for w in range(self.size) if w != self.rank]
         received = {w: _Receive(comm, MPI, w, self._last_receive.get(w)) for w in peers}
@@ -942,6 +949,7 @@ class World:
     def _headers(self, mine: dict, received: dict) -> list[dict]:
         headers = {self.rank: mine}
         place = mine["order"]
+        self._unread.discard(place)
         for worker, receive in received.items():
             headers[worker] = header = json.loads(bytes(receive.buffer))
             # Where its low rose (forget_failed_runs). A place read after a later

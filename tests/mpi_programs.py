@@ -617,6 +617,28 @@ async def _many_failures(strategy: aiodist.Strategy) -> dict:
     }
 
 
+async def _many_successes(strategy: aiodist.Strategy) -> dict:
+    """400 runs that all succeed. Before, each peer's header of each run (its low
+    rose with every run) left an entry in World._peer_lows for good: forgetting
+    was done only once a run had failed."""
+    world = strategy._world
+
+    async def step(k):
+        return await aiodist.get_replica_context().all_reduce("sum", np.float64(k))
+
+    for k in range(400):
+        await strategy.run(step, args=(k,))
+    with strategy.scope():
+        reduce = float(
+            await strategy.reduce("sum", np.float64(strategy.worker_index + 1), axis=None)
+        )
+    return {
+        "reduce": reduce,
+        "lows": max(len(lows) for lows in world._peer_lows.values()),
+        "failed_runs": len(world.failed_runs),
+    }
+
+
 async def _different_calls(strategy: aiodist.Strategy) -> dict:
     """Worker 1 calls another cross-replica API than worker 0 at the same place,
     with values of one shape: each outcome, then a reduce that must pair."""
@@ -1267,6 +1289,7 @@ def main() -> None:
         "plain_variable": _plain_variable,
         "sync_after_a_failed_run": _sync_after_a_failed_run,
         "failed_run_frees": _failed_run_frees,
+        "many_successes": _many_successes,
         "plain_values": plain_values,
     }[mode]
     _report(strategy, _run(work(strategy)))

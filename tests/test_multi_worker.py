@@ -326,6 +326,18 @@ def test_failed_runs_are_forgotten_once_no_header_of_them_can_come(loop):
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_runs_that_all_succeed_keep_a_few_of_the_peers_lows(loop):
+    """Before, World._peer_lows kept one entry per run per peer for good when no
+    run failed (400 here): it was trimmed only where a failed run was forgotten."""
+    rc, results, output, _ = _program(2, "many_successes", [1, 1], loop=loop)
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == [0, 1], output[-3000:]
+    for result in results.values():
+        assert result["reduce"] == 3.0 and result["failed_runs"] == 0, result
+        assert result["lows"] <= 2, result
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_overlapped_calls_after_a_run_failed_elsewhere_pair_right(loop):
     """Worker 1's runs 1 and 3 fail after their last collective. Before, worker 0's
     next exchange met the stale failure header while its following one was already
