@@ -27,8 +27,9 @@ the same sequence. The headers make any break of the rule an error instead of
 a deadlock: a worker calling something else at the same place is named
 (``CollectiveMismatchError``), a worker that never arrives — slow, stuck or
 dead — is named when ``timeout_seconds`` expires (``RendezvousTimeoutError``).
-Each run that takes part is numbered, and a collective's header holds the run's
-number and its call number, so call #0 of run 1 never meets call #0 of run 2. A
+Each run is numbered (one making no cross-worker call too: every worker makes
+the same runs), and a collective's header holds the run's number and its call
+number, so call #0 of run 1 never meets call #0 of run 2. A
 run that fails on one worker (a replica raises, or it is cancelled) sends a
 *failure header* in place of its next call: the other workers raise naming it at
 once (``ReplicaExitedError``), and the order is kept. A collective of that run
@@ -338,9 +339,9 @@ class _Turn:
 
 
 class _Run:
-    """One ``strategy.run`` in flight: its number among the runs that took part in
-    the order, once it has one (``World.run_key``); its strategy's world, and the
-    future done when it ends (set by ``MultiWorkerMirroredStrategy.run``)."""
+    """One ``strategy.run`` in flight: its number among this worker's runs (given as
+    its turn comes, ``World.run_key``); its strategy's world, and the future done
+    when it ends (set by ``MultiWorkerMirroredStrategy.run``)."""
 
     __slots__ = ("__weakref__", "ended", "number", "world")
 
@@ -402,10 +403,11 @@ class World:
         self._released: set[int] = set()
         self._turn_waiters: dict[int, asyncio.Future] = {}
         self.broken: RendezvousError | None = None
-        # Runs that took part in the order (a run's first cross-worker exchange, or
-        # its failure header, numbers it): its headers hold that number. A failure
-        # header of a run numbered further than this worker's count moves the count on,
-        # so every worker numbers the next run alike.
+        # Runs started on this worker (each is numbered as its turn comes, whether it
+        # makes a cross-worker call or not: every worker makes the same runs, so a
+        # number is the same run on every worker): its headers hold that number. A
+        # failure header of a run numbered further than this worker's count (workers
+        # whose runs differ) moves the count on.
         self.runs = 0
         # Runs known failed on every worker (a failure header sent or received, a
         # mismatch every worker saw): such a run has nothing left to tell, and a
@@ -969,6 +971,16 @@ class World:
             f"{self.who(w)}: {h['what']} (cross-worker operation #{h['order']})"
             for w, h in enumerate(headers)
         )
+        runs = [h["run"] for h in headers]
+        if None not in runs and len(set(runs)) > 1:
+            # Every run is numbered, those making no cross-worker call too.
+            seen += (
+                ". The workers are at different runs ("
+                + ", ".join(f"worker {w}: run {r}" for w, r in enumerate(runs))
+                + "): every worker must make the same strategy.run calls, those that "
+                "make no cross-worker call included; runs made on one worker only (a "
+                "Batcher serving each worker's own requests) need a strategy of their own"
+            )
         raise CollectiveMismatchError(
             f"workers disagree on cross-worker operation #{mine['order']}: {seen}. Every "
             "worker must make the same collective calls, with the same shapes and dtypes, "
@@ -1184,7 +1196,7 @@ class World:
                     if not dead:  # (a run already failed here raises as such, below)
                         failed.append((worker, header["failed"]))
                     continue
-                self.runs = max(self.runs, theirs)  # (it numbered a run this one did not)
+                self.runs = max(self.runs, theirs)  # (it made more runs than this one)
                 self._low_known[0] = None
                 if run is not None and theirs == run:
                     failed.append((worker, header["failed"]))
@@ -1573,7 +1585,8 @@ class _WorkerGroup(RunGroup):
         timeout = options.timeout_seconds
         # The run's number and the call's are in the key: a call can only ever meet
         # the same call of the same run on the other workers.
-        run = world.run_key(_current_run.get() or _Run())  # (strategy.run sets it)
+        current = _current_run.get()  # (strategy.run sets it, and numbers the run)
+        run = None if current is None else current.number
         what = f"{signature.text}, call #{number} of run {run}"
         key = repr((run, number, signature.name, signature.key))
         arrays = [payload[ARRAYS] for payload in payloads]
@@ -1824,7 +1837,6 @@ class MultiWorkerMirroredStrategy(Strategy):
         previous = self._last_end.get(loop)
         ended = loop.create_future()  # done once this run has ended: the next may start
         self._last_end = {loop: ended}  # (strategies outlive loops: only this one's kept)
-        # Numbered at its first cross-worker exchange (World.run_key).
         run = _Run(world, ended)
         if previous is not None and not previous.done():
             try:
@@ -1837,6 +1849,12 @@ class MultiWorkerMirroredStrategy(Strategy):
                 previous.add_done_callback(functools.partial(self._never_started, run, ended))
                 raise
         try:
+            # Numbered now, whether it makes a cross-worker call or not: where it fails
+            # on one worker only, its failure header then names the same run on every
+            # worker (numbered only once it called, a run without a call that failed
+            # on one worker counted there alone, and every later run paired with the
+            # others' next one: wrong values, silently).
+            world.run_key(run)
             token = _current_run.set(run)
             self._failed_replica = self._failed_with = None
             try:

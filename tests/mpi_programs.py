@@ -639,6 +639,41 @@ async def _many_successes(strategy: aiodist.Strategy) -> dict:
     }
 
 
+async def _runs_without_calls(strategy: aiodist.Strategy) -> dict:
+    """A run making no cross-worker call fails on worker 0 only; then runs ``a``
+    and ``b`` of one all_reduce each. Before, worker 0 alone numbered the failed
+    run: worker 1's ``a`` raised, and worker 0's ``a`` paired with worker 1's
+    ``b`` (1 + 10 = 11 on both, no error). Then worker 0 makes one more run (no
+    call) than worker 1, and the next run's collective is a mismatch naming the
+    runs; a strategy.reduce still pairs."""
+    w = strategy.worker_index
+    out = {}
+
+    async def nothing():
+        if w == 0:
+            raise ValueError("bad on worker 0")
+        return 1.0
+
+    async def one(k):
+        return await aiodist.get_replica_context().all_reduce("sum", np.float64(k))
+
+    async def outcome(name, call):
+        try:
+            out[name] = _plain(strategy.experimental_local_results(await call))
+        except Exception as exc:
+            out[name] = [type(exc).__name__, str(exc)]
+
+    await outcome("failed", strategy.run(nothing))
+    await outcome("a", strategy.run(one, args=(1,)))
+    await outcome("b", strategy.run(one, args=(10,)))
+    if w == 0:
+        await outcome("extra", strategy.run(lambda: 0.0))
+    await outcome("c", strategy.run(one, args=(100,)))
+    with strategy.scope():
+        out["reduce"] = float(await strategy.reduce("sum", np.float64(w + 1), axis=None))
+    return out
+
+
 async def _different_calls(strategy: aiodist.Strategy) -> dict:
     """Worker 1 calls another cross-replica API than worker 0 at the same place,
     with values of one shape: each outcome, then a reduce that must pair."""
@@ -1222,6 +1257,7 @@ _BOUNDED = (
     "plain_variable",
     "sync_after_a_failed_run",
     "plain_values",
+    "runs_without_calls",
 )  # a 30 s timeout: failing at once shows
 
 
@@ -1290,6 +1326,7 @@ def main() -> None:
         "sync_after_a_failed_run": _sync_after_a_failed_run,
         "failed_run_frees": _failed_run_frees,
         "many_successes": _many_successes,
+        "runs_without_calls": _runs_without_calls,
         "plain_values": plain_values,
     }[mode]
     _report(strategy, _run(work(strategy)))

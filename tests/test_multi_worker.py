@@ -288,6 +288,31 @@ def test_failed_runs_never_make_the_workers_order_drift(loop):
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_run_without_cross_worker_calls_failing_on_one_worker_keeps_the_runs_paired(loop):
+    """Before, only runs making a cross-worker call were numbered, and a failed run
+    was numbered for its failure header: worker 0 counted its failed run without a
+    call, worker 1 did not, and from then on every run paired with the other
+    worker's next one (worker 1's a raised; worker 0's a and worker 1's b gave
+    1 + 10 = 11 on both, silently; then a mismatch, a timeout and MPI_Abort). Now
+    every run is numbered: the failure header is stale for worker 1, whose run
+    had ended, and a and b pair. Runs that differ between workers are a mismatch
+    naming the runs."""
+    rc, results, output, _ = _program(2, "runs_without_calls", [1, 1], loop=loop)
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == [0, 1], output[-3000:]
+    assert results[0]["failed"] == ["ValueError", "bad on worker 0"], results[0]
+    assert results[1]["failed"] == [1.0], results[1]
+    assert results[0]["extra"] == [0.0], results[0]
+    for result in results.values():
+        assert result["a"] == [2.0] and result["b"] == [20.0], result
+        name, message = result["c"]
+        assert name == "CollectiveMismatchError", result
+        assert "The workers are at different runs (worker 0: run 5, worker 1: run 4)" in message
+        assert "every worker must make the same strategy.run calls" in message
+        assert result["reduce"] == 3.0, result
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_failures_in_a_row_on_one_worker_keep_the_runs_paired(loop):
     """Worker 1's runs 1-4 fail before any collective, while worker 0's start two
     collectives each. Before, worker 0's second exchange of run k met worker 1's
