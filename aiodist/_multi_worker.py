@@ -329,24 +329,27 @@ class _Receive:
 class _Turn:
     """One asynchronous operation's place for its data step (``World.take_turn``):
     its header's order number, whether every worker agreed to it there, and whether
-    its turn has come."""
+    its turn has come; and the run its headers are of (``World.operate``)."""
 
-    __slots__ = ("agreed", "held", "ticket")
+    __slots__ = ("agreed", "held", "run", "ticket")
 
-    def __init__(self) -> None:
+    def __init__(self, run: int | None = None) -> None:
         self.ticket: int | None = None
         self.agreed = self.held = False
+        self.run = run
 
 
 class _Run:
-    """One ``strategy.run`` in flight: its number among this worker's runs (given as
-    its turn comes, ``World.run_key``); its strategy's world, and the future done
-    when it ends (set by ``MultiWorkerMirroredStrategy.run``)."""
+    """One ``strategy.run``: its number among this worker's runs, and whether it is
+    in flight (both set by ``World.begin_run`` as its turn comes, the second
+    cleared by ``World.end_run``); its strategy's world, and the future done when
+    it ends (set by ``MultiWorkerMirroredStrategy.run``)."""
 
-    __slots__ = ("__weakref__", "ended", "number", "world")
+    __slots__ = ("ended", "flying", "number", "world")
 
-    def __init__(self, world: World | None = None, ended: asyncio.Future | None = None):
+    def __init__(self, world: World, ended: asyncio.Future):
         self.number: int | None = None
+        self.flying = False
         self.world, self.ended = world, ended
 
 
@@ -417,16 +420,14 @@ class World:
         # places before it told, which every worker knows alike (see _agreed).
         # Forgotten once no header of the run can still come (forget_failed_runs).
         self.failed_runs: dict[int, int] = {}
-        # This worker's numbered runs still referenced (a run in flight, a task it
-        # started that outlives it): only these can still post headers of a number
-        # this worker gave. Every header says the lowest run its sender may still
-        # post a header of ("low", see _low); _peer_lows keeps, for each peer, the
-        # places where its low rose: (place, low), in place order.
-        self._live_runs: weakref.WeakValueDictionary[int, _Run] = weakref.WeakValueDictionary()
-        # _low()'s value, or None once it may have changed (a run numbered or counted
-        # here, or one collected: set from the garbage collector's thread, so in a
-        # list the callbacks hold, not in the world).
-        self._low_known: list[int | None] = [None]
+        # The runs this worker may still post a header of, each with how many hold
+        # it: the run while in flight (begin_run to end_run), and each operation it
+        # started while it is in flight (operate), as that one may still post. A
+        # call made once its run has ended (from a task the run started) is a call
+        # outside any run (_run_now). Every header says the lowest run its sender
+        # may still post a header of ("low", see _low); _peer_lows keeps, for each
+        # peer, the places where its low rose: (place, low), in place order.
+        self._holders: dict[int, int] = {}
         self._peer_lows: dict[int, collections.deque] = {}
         # The places this worker posted a header at whose peers' headers are not
         # read yet (_headers reads them): the lowest is where forget_failed_runs
@@ -618,26 +619,44 @@ class World:
     def _failed_before(self, run: int | None, place: int) -> bool:
         return run is not None and self.failed_runs.get(run, math.inf) < place
 
-    def run_key(self, run: _Run) -> int:
-        """``run``'s number, numbering it now if it has none."""
-        if run.number is None:
-            self.runs += 1
-            run.number = self.runs
-            self._live_runs[run.number] = run
-            self._low_known[0] = None
-            weakref.finalize(run, self._low_known.__setitem__, 0, None).atexit = False
+    def begin_run(self, run: _Run) -> int:
+        """Number ``run``, whose turn has come, and hold it while it is in flight."""
+        self.runs += 1
+        run.number = self.runs
+        run.flying = True
+        self._hold(run.number)
         return run.number
+
+    def end_run(self, run: _Run) -> None:
+        """``run`` has ended: from now on it posts no header (``_run_now``); only the
+        operations it started that are still in flight may."""
+        if run.flying:
+            run.flying = False
+            self._let_go(run.number)
+
+    def _hold(self, run: int) -> None:
+        self._holders[run] = self._holders.get(run, 0) + 1
+
+    def _let_go(self, run: int) -> None:
+        left = self._holders.pop(run) - 1
+        if left:
+            self._holders[run] = left
+
+    def _run_now(self) -> int | None:
+        """The run a header posted now is of: the calling operation's (``operate``),
+        else that of the run in flight the caller belongs to, else None (outside
+        any run; also a call made from a task its run started, once it has ended)."""
+        turn = _current_turn.get()
+        if turn is not None:
+            return turn.run
+        current = _current_run.get()
+        return current.number if current is not None and current.flying else None
 
     def _low(self) -> int:
         """The lowest run number this worker may still post a header of: its lowest
-        live run's, else the next run's. Runs are numbered upwards and a run no
-        longer referenced posts nothing, so it never goes down. (A run held by
-        garbage, a traceback's cycle, counts until it is collected.) Cached: it
-        goes in every header."""
-        low = self._low_known[0]
-        if low is None:
-            self._low_known[0] = low = min(self._live_runs.keys(), default=self.runs + 1)
-        return low
+        held run's, else the next run's. Runs are numbered upwards and one is held
+        only from its start, so it never goes down."""
+        return min(self._holders, default=self.runs + 1)
 
     def forget_failed_runs(self) -> None:
         """Forget the failed runs no header can still be classified against, so a
@@ -721,8 +740,10 @@ class World:
         background; ``owner`` (its strategy) is kept alive until then: collected,
         the strategy would close this world under it, and the others would wait in
         its data step until their timeout."""
-        turn = _Turn()
+        turn = _Turn(self._run_now())
         self._operations.append(what)
+        if turn.run is not None:
+            self._hold(turn.run)  # (its headers are of that run, even once it ended)
 
         async def run_it() -> Any:
             _current_turn.set(turn)  # (in the task's own context)
@@ -732,6 +753,8 @@ class World:
             self._operations.remove(what)
             if turn.ticket is not None:
                 self._release(turn.ticket)
+            if turn.run is not None:
+                self._let_go(turn.run)
 
         try:
             task = asyncio.ensure_future(run_it())
@@ -742,11 +765,8 @@ class World:
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            current = _current_run.get()
             try:
-                await self._finish_cancelled(
-                    task, turn, None if current is None else current.number
-                )
+                await self._finish_cancelled(task, turn, turn.run)
             except asyncio.CancelledError:  # cancelled again: it finishes on its own
                 self._background[task] = owner
                 task.add_done_callback(functools.partial(self._finished_after_failing, what))
@@ -920,8 +940,8 @@ class World:
         self._usable()
         if len(key) > 512:  # long structures: their digest is what must agree
             key = hashlib.sha256(key.encode()).hexdigest()
-        if run is None and (current := _current_run.get()) is not None:
-            run = self.run_key(current)
+        if run is None:
+            run = self._run_now()
         mine = {
             "order": self.order + 1,
             "what": _short(what, 2000),
@@ -1058,11 +1078,11 @@ class World:
         Where a peer's header at that place was stale (of a run that failed), the
         exchange is made again at the next place."""
         turn = _current_turn.get()
-        current = _current_run.get()
+        run = self._run_now()
         self._read_unread(math.inf)
-        if current is not None and current.number in self.failed_runs:
+        if run is not None and run in self.failed_runs:
             # (a header of it would only be stale for the others)
-            raise ReplicaExitedError(self._dead(what, current.number))
+            raise ReplicaExitedError(self._dead(what, run))
         while self._probe is not None:  # one exchange at a time after a failed run
             await asyncio.shield(self._probe)
         probe = None
@@ -1197,7 +1217,6 @@ class World:
                         failed.append((worker, header["failed"]))
                     continue
                 self.runs = max(self.runs, theirs)  # (it made more runs than this one)
-                self._low_known[0] = None
                 if run is not None and theirs == run:
                     failed.append((worker, header["failed"]))
                 else:
@@ -1854,13 +1873,12 @@ class MultiWorkerMirroredStrategy(Strategy):
             # worker (numbered only once it called, a run without a call that failed
             # on one worker counted there alone, and every later run paired with the
             # others' next one: wrong values, silently).
-            world.run_key(run)
+            number = world.begin_run(run)
             token = _current_run.set(run)
             self._failed_replica = self._failed_with = None
             try:
                 result = await super().run(fn, args, kwargs, options)
             except BaseException as exc:
-                number = world.run_key(run)
                 if number not in world.failed_runs:  # the others do not know yet
                     world.tell_failure(number, self._failure_text(number, exc))
                 raise
@@ -1869,20 +1887,26 @@ class MultiWorkerMirroredStrategy(Strategy):
             world.run_ended()  # (before the next run's exchanges)
             return result
         finally:
-            world.forget_failed_runs()
-            ended.set_result(None)
+            try:
+                world.end_run(run)
+                world.forget_failed_runs()
+            finally:  # (whatever happened above: the runs after this one wait for it)
+                ended.set_result(None)
 
     def _never_started(self, run: _Run, ended: asyncio.Future, _: object = None) -> None:
         """The turn of ``run``, cancelled while it waited for it, has come: its failure
         header takes its place (the other workers' run there raises, naming it)."""
+        world = self._world
         try:
-            world = self._world
-            number = world.run_key(run)
+            number = world.begin_run(run)
             if number not in world.failed_runs:
                 world.tell_failure(number, f"its run {number} was cancelled before it started")
-            world.forget_failed_runs()
         finally:
-            ended.set_result(None)
+            try:
+                world.end_run(run)
+                world.forget_failed_runs()
+            finally:
+                ended.set_result(None)
 
     def _failure_text(self, run: int, exc: BaseException) -> str:
         if isinstance(exc, asyncio.CancelledError) and isinstance(

@@ -339,7 +339,10 @@ def test_failed_runs_are_forgotten_once_no_header_of_them_can_come(loop):
     """Before, every failed run stayed in World.failed_runs (and the peers' failure
     texts in World._failures, and exchanges given up in World._pending) for good:
     a server whose requests fail now and then grew without bound (450 entries
-    here). Now a run is forgotten once no worker can still post a header of it."""
+    here). Now a run is forgotten once no worker can still post a header of it.
+    Worker 0 keeps its first error: before, its traceback kept that run alive
+    (forgetting went by whether a run was still referenced), and every later
+    failed run stayed on both workers (450 entries)."""
     rc, results, output, _ = _program(2, "many_failures", [1, 1], loop=loop)
     assert rc == 0, output[-3000:]
     assert sorted(results) == [0, 1], output[-3000:]
