@@ -37,6 +37,14 @@ def _plain(value):
     return value
 
 
+async def _outcome(strategy, awaitable):
+    """What awaiting a run gives, as JSON: each local result, or [error type, message]."""
+    try:
+        return _plain(strategy.experimental_local_results(await awaitable))
+    except Exception as exc:
+        return [type(exc).__name__, str(exc)]
+
+
 def _half(ctx: aiodist.ValueContext) -> np.float32:
     return np.float32(ctx.replica_id_in_sync_group / 2)
 
@@ -561,11 +569,7 @@ async def _failures_in_a_row(strategy: aiodist.Strategy) -> dict:
     if w == 0:
         await asyncio.sleep(0.5)  # (worker 1's failure headers go out first)
     for k in range(1, 6):
-        try:
-            result = strategy.experimental_local_results(await strategy.run(step, args=(k,)))
-            out[f"run{k}"] = _plain(result)
-        except Exception as exc:
-            out[f"run{k}"] = [type(exc).__name__, str(exc)]
+        out[f"run{k}"] = await _outcome(strategy, strategy.run(step, args=(k,)))
     with strategy.scope():
         out["reduce"] = float(await strategy.reduce("sum", np.float64(w + 1), axis=None))
     out["runs"] = strategy._world.runs
@@ -656,10 +660,7 @@ async def _runs_without_calls(strategy: aiodist.Strategy) -> dict:
         return await aiodist.get_replica_context().all_reduce("sum", np.float64(k))
 
     async def outcome(name, call):
-        try:
-            out[name] = _plain(strategy.experimental_local_results(await call))
-        except Exception as exc:
-            out[name] = [type(exc).__name__, str(exc)]
+        out[name] = await _outcome(strategy, call)
 
     await outcome("failed", strategy.run(nothing))
     await outcome("a", strategy.run(one, args=(1,)))
@@ -795,11 +796,7 @@ async def _overlapped_after_a_failure(strategy: aiodist.Strategy) -> dict:
         return await first, await second
 
     for k in (1, 2, 3):
-        try:
-            result = strategy.experimental_local_results(await strategy.run(step, args=(k,)))
-            out[f"run{k}"] = _plain(result)
-        except Exception as exc:
-            out[f"run{k}"] = [type(exc).__name__, str(exc)]
+        out[f"run{k}"] = await _outcome(strategy, strategy.run(step, args=(k,)))
     with strategy.scope():
         reduces = await asyncio.gather(
             strategy.reduce("sum", np.float64(1.0), axis=None),
