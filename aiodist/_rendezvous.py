@@ -257,17 +257,20 @@ class Rendezvous:
         # call per replica per run less (RunGroup's replicas: 2.9k instructions of a
         # (c) step, N = 4, with the (calls made, how) tuple this held before).
         self.exited: dict[int, str] = {}
-        # Failed calls (rare), for close(quiet=True); not kept by an owner that never
-        # closes (the default group), where they would pile up for ever.
+        # Failed calls (rare), for close(): the first whose error no replica retrieved
+        # is returned, and the others are marked retrieved. Not kept by an owner that
+        # never closes (the default group), where they would pile up for ever.
         self._failed: list[_Call] | None = [] if keeps_failures else None
         # Set by close(): its reason, then the error built from it.
         self._closed: str | RendezvousError | None = None
         # Where completed calls are counted: the owner's (a strategy's, shared by its
         # runs, so a run's counts need no adding up when it ends), or its own.
         self.tally = Tally() if tally is None else tally
-        # Set by close(quiet=True): the owner raises an error of its own, so calls that
-        # fail even after that (an async merge_fn cancelled with its run, whose result
-        # is delivered by a callback that may run after close) are not logged either.
+        # Set by close() with quiet=True (the owner raises an error of its own), or
+        # when it found failed calls (the owner raises the one returned, or a replica
+        # saw each): calls that fail even after that (an async merge_fn cancelled with
+        # its run, whose result is delivered by a callback that may run after close)
+        # are not logged either.
         self._quiet = False
         # _running (call number -> _Call): calls every replica has arrived at whose
         # cross-replica work still runs (an async merge_fn that suspended), for

@@ -130,19 +130,15 @@ def _close_unstarted(coro: Any, own: bool = True) -> None:
     the user function's own (not further: its arguments are the user's)."""
     if type(coro) is not CoroutineType or inspect.getcoroutinestate(coro) != inspect.CORO_CREATED:
         return
-    inner = ()
-    if coro.cr_code in _WRAPPER_CODES:
-        inner = [v for v in inspect.getcoroutinelocals(coro).values() if type(v) is CoroutineType]
-    if own:
-        coro.close()
-    for each in inner:
-        _close_unstarted(each)
+    chain = _unstarted_chain(coro)
+    _close_chain(chain if own else chain[1:])
 
 
 def _unstarted_chain(coro: Any) -> list:
-    """``coro``, an unstarted replica coroutine, and those ``_close_unstarted`` would
-    close beneath it: held until they can be closed (see RunGroup._replica_task_ended),
-    since a task cancelled before its first step drops them unawaited."""
+    """``coro``, an unstarted coroutine, and beneath it those aiodist's wrappers in it
+    were given to await (see _close_unstarted). Also held until they can be closed
+    (see RunGroup._replica_task_ended), since a task cancelled before its first step
+    drops them unawaited."""
     chain = [coro]
     for each in chain:  # (grows as it goes: each wrapper's own inner coroutines)
         if each.cr_code in _WRAPPER_CODES:
@@ -150,6 +146,13 @@ def _unstarted_chain(coro: Any) -> list:
                 v for v in inspect.getcoroutinelocals(each).values() if type(v) is CoroutineType
             )
     return chain
+
+
+def _close_chain(chain: list) -> None:
+    """Close the coroutines of ``chain`` (see _unstarted_chain) that have not started."""
+    for coro in chain:
+        if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+            coro.close()
 
 
 class _ReplicaTask(asyncio.Task):
@@ -167,11 +170,8 @@ class _ReplicaTask(asyncio.Task):
 
     def cancel(self, msg: Any = None) -> bool:
         coro = self.get_coro()
-        if (
-            not self.done()
-            and coro.cr_code is _REPLICA_CODE
-            and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED
-        ):
+        # (Its coroutine is always a _replica one: the only kind run makes it with.)
+        if not self.done() and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
             arguments = inspect.getcoroutinelocals(coro)
             group, rid = arguments["group"], arguments["rid"]
             self.add_done_callback(partial(group._replica_task_ended, rid, _unstarted_chain(coro)))
@@ -339,7 +339,6 @@ async def _replica(
 # The wrappers a replica's (see _coroutines) or a merge_fn's (see _merge) coroutine
 # may be made of.
 _WRAPPER_CODES = frozenset(f.__code__ for f in (_replica, _traced, drive, _then, _await))
-_REPLICA_CODE = _replica.__code__
 
 _MAY_HOLD_DISTRIBUTED = (DistributedValues, list, tuple, dict)
 
@@ -866,8 +865,9 @@ class RunGroup:
                 self._failure = exc
                 self._cancel_all()
             self._replica_exited(rid, f"raised {type(exc).__name__}")
-        # A cancelled replica whose coroutine never started cannot report back; the
-        # run waits for the tasks themselves instead (_drain).
+        # Other replicas may not have reported back yet (one cancelled before its
+        # first step does through _replica_task_ended): the run waits for the tasks
+        # themselves (_drain).
         if not self._all_done.done():
             self._all_done.set_result(None)
 
@@ -884,9 +884,7 @@ class RunGroup:
         for ever. The coroutines that never started are closed, so Python does not
         warn that they were never awaited."""
         started = inspect.getcoroutinestate(unstarted[0]) != inspect.CORO_CREATED
-        for coro in unstarted:
-            if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
-                coro.close()
+        _close_chain(unstarted)
         if self._results[rid] is not _NO_RESULT:
             return
         if task.cancelled():
@@ -899,7 +897,8 @@ class RunGroup:
             # returned without awaiting it.
             exc = task.exception() or ReplicaExitedError(
                 f"replica {rid}'s task ended without running the replica function: the "
-                "task factory's coroutine returned without awaiting the one it was given."
+                "task factory's coroutine returned without awaiting the one it was given; "
+                "a task factory must return a task that awaits the coroutine it is given."
             )
         # A replica that ran and raised or was cancelled has told the run already
         # (_replica_failed, queued before this callback): its exit is noted.
