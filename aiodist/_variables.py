@@ -559,23 +559,26 @@ class Variable:
     def _write_every_copy(self, kind: str, value: Any) -> None:
         self._write_copies(kind, self._per_copy(kind, value))
 
-    def _write_copies(self, kind: str, parts: list) -> None:
+    def _write_copies(self, kind: str, parts: list, where: str | None = None) -> None:
+        """Each copy updated (``kind``) with its part; ``where`` names the write in
+        errors (``name.kind`` by default)."""
         if not self._on_streams:
             # Nothing to order (a plain variable, CPU devices): no context manager
             # made per write (about 1 us, on every aggregated update).
-            self._replace_copies(kind, parts)
+            self._replace_copies(kind, parts, where)
             return
         # GPUs: the current streams first wait for the replicas' queued work (which may
         # still read the old copies, whose memory is freed here), and the replicas'
         # later work waits for the write.
         with self._strategy._cross_replica_order():
-            self._replace_copies(kind, parts)
+            self._replace_copies(kind, parts, where)
 
-    def _replace_copies(self, kind: str, parts: list) -> None:
+    def _replace_copies(self, kind: str, parts: list, where: str | None = None) -> None:
         placed = [backend_for(d).asarray(p, d) for d, p in zip(self._devices, parts, strict=True)]
+        where = where or f"{self._name}.{kind}"
         with _WRITE_LOCK:  # no other thread's update between our read and our write
             new = [
-                _update_value(kind, old, part, f"{self._name}.{kind}")
+                _update_value(kind, old, part, where)
                 for old, part in zip(self._values, placed, strict=True)
             ]
             self._values[:] = new  # all copies change together, or none does
@@ -852,13 +855,8 @@ class SyncOnReadVariable(Variable):
         value = np.asarray(host_array(value))
         world = self._strategy._world
         first = 0 if world is None or world.rank == 0 else None  # this worker's index of it
-        new = []
-        with self._strategy._cross_replica_order(), _WRITE_LOCK:  # (see _write_copies)
-            for i, (device, old) in enumerate(zip(self._devices, self._values, strict=True)):
-                part = value if i == first else np.zeros_like(value)
-                placed = backend_for(device).asarray(part, device)
-                new.append(_update_value("assign", old, placed, f"{self._name}.restore"))
-            self._values[:] = new
+        parts = [value if i == first else np.zeros_like(value) for i in range(len(self._devices))]
+        self._write_copies("assign", parts, f"{self._name}.restore")
 
     async def _write(self, kind: str, value: Any) -> Variable:
         index = self._replica_index()
