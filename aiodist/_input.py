@@ -205,7 +205,7 @@ def _leaf_arrays(
             # leaf of its own, and the message named the first one only.
             rows = (
                 " (a list or tuple is a structure here, each item a leaf of its own, not "
-                "rows of an array: make the batch an array first, np.asarray(batch))"
+                "rows of an array: make each leaf an array first, with np.asarray)"
                 if isinstance(element, list | tuple)
                 and not any(hasattr(other, "shape") for other in leaves)
                 else ""
