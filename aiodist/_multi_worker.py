@@ -1500,7 +1500,12 @@ from ._cross_device_ops import (  # noqa: E402
 from ._options import CommunicationOptions  # noqa: E402
 from ._replica_context import ARRAYS, AXIS, OP, OPTIONS  # noqa: E402
 from ._scheduler import RunGroup  # noqa: E402
-from ._strategy import Strategy, StrategyExtended, _local_parts  # noqa: E402
+from ._strategy import (  # noqa: E402
+    Strategy,
+    StrategyExtended,
+    _local_parts,
+    ambiguous_reduction,
+)
 from ._values import DistributedValues, PerReplica, refuse_structure  # noqa: E402
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
@@ -1929,20 +1934,21 @@ class MultiWorkerMirroredStrategy(Strategy):
         op = ReduceOp.of(reduce_op)
         return (await self._reduce_across(op, [value], axis, None))[0]
 
-    def _per_local_replica(self, value: Any) -> Any:
-        """``value`` as this worker's replicas' values: a variable's are its copies;
-        a value that is not distributed is each local replica's (as when every
-        replica passed the same object), so with one local replica it is simply
-        that replica's value (with several, ``_reduce_across`` refuses SUM and
-        PRODUCT of it, as one machine does). A variable made outside any scope is its value, as
+    def _per_local_replica(self, value: Any) -> tuple[Any, bool]:
+        """``value`` as this worker's replicas' values, and whether it was copied to
+        each of several: a variable's are its copies; a value that is not
+        distributed is each local replica's (as when every replica passed the same
+        object), so with one local replica it is simply that replica's value (with
+        several, ``_reduce_across`` refuses SUM and PRODUCT of it, as one machine
+        does). A variable made outside any scope is its value, as
         ``Strategy.reduce`` takes it (its one copy is not one per local replica)."""
         if hasattr(value, "_aiodist_local_results"):
             if value._aiodist_distributed:  # a strategy's variable: never read it whole
-                return PerReplica(list(value._aiodist_local_results()), self._devices)
+                return PerReplica(list(value._aiodist_local_results()), self._devices), False
             value = value.read_value()
         if isinstance(value, DistributedValues) or len(self._slots) == 1:
-            return value
-        return PerReplica([value] * len(self._slots), self._devices)
+            return value, False
+        return PerReplica([value] * len(self._slots), self._devices), True
 
     async def _reduce_across(
         self,
@@ -1961,13 +1967,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         ambiguous = None  # (why this worker refuses the reduction, if it does)
         for value in values:
             refuse_structure(value, method.removeprefix("extended."))
-            local_values = self._per_local_replica(value)
-            if (
-                op in (ReduceOp.SUM, ReduceOp.PRODUCT)
-                and len(self._slots) > 1
-                and not isinstance(value, DistributedValues)
-                and not getattr(value, "_aiodist_distributed", False)
-            ):
+            local_values, copied = self._per_local_replica(value)
+            if copied and op in (ReduceOp.SUM, ReduceOp.PRODUCT):
                 # One machine refuses this (StrategyExtended._distributed): a value that
                 # is not distributed may be one replica's value or every replica's. Told
                 # in the header, so every worker refuses it at this place alike (one
@@ -1999,13 +2000,12 @@ class MultiWorkerMirroredStrategy(Strategy):
             headers = await world.agree(what, key, timeout, counts=counts, ambiguous=ambiguous)
             refusing = [(w, h["ambiguous"]) for w, h in enumerate(headers) if h["ambiguous"]]
             if refusing:  # (no data step at this place, on any worker)
+                whose = "; ".join(f"{world.who(w)}: {text}" for w, text in refusing)
                 raise InvalidArgumentError(
-                    f"{what}: a value that is not distributed cannot be reduced with "
-                    f"{op.name} on a worker holding several replicas ("
-                    + "; ".join(f"{world.who(w)}: {text}" for w, text in refusing)
-                    + "): is it one replica's value, or every replica's? Pass the "
-                    "PerReplica value from strategy.run, or use MEAN. (With one replica "
-                    "per worker, such a value is that worker's replica's.)"
+                    f"{what}: "
+                    + ambiguous_reduction(op, whose, "on a worker holding several replicas")
+                    + " (With one replica per worker, such a value is that worker's "
+                    "replica's.)"
                 )
             return headers, await _reduce_leaves(world, local_op, totals, what, timeout)
 

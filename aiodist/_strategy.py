@@ -286,10 +286,19 @@ class StrategyExtended:
         if isinstance(value, DistributedValues) or n == 1 or not ambiguous:
             return value
         raise InvalidArgumentError(
-            f"a value that is not distributed ({type(given).__name__}) cannot be reduced "
-            f"with {op.name} across {n} replicas (is it one replica's value, or every "
-            "replica's?); pass the PerReplica value from strategy.run, or use MEAN."
+            ambiguous_reduction(op, type(given).__name__, f"across {n} replicas")
         )
+
+
+def ambiguous_reduction(op: ReduceOp, what: str, where: str) -> str:
+    """Why SUM or PRODUCT of a value that is not distributed (``what``: its type, or
+    each worker's) is refused ``where`` (across several replicas): TF's rule, also
+    that of ``MultiWorkerMirroredStrategy``, where a worker holds several."""
+    return (
+        f"a value that is not distributed ({what}) cannot be reduced with {op.name} "
+        f"{where} (is it one replica's value, or every replica's?); pass the "
+        "PerReplica value from strategy.run, or use MEAN."
+    )
 
 
 class Strategy:
