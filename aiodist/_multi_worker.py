@@ -1202,7 +1202,7 @@ class World:
                 continue
             theirs = header.get("run")
             if header.get("failed"):
-                self._run_failed(theirs, place)
+                said = self._peer_failed(worker, theirs, place, header["failed"])
                 if run is not None and theirs > run:
                     # The peer ended run ``run`` and failed its next one before this
                     # worker's run ``run`` made this call: this worker has not started
@@ -1210,15 +1210,13 @@ class World:
                     # number raises at its first cross-worker call, naming the peer.
                     # Counted, this worker's next run would be numbered one further,
                     # and its runs would pair for good with the peer's next ones.
-                    self._failures.setdefault(
-                        theirs, f"{self.who(worker)} will not join it: {header['failed']}"
-                    )
+                    self._failures.setdefault(theirs, said)
                     if not dead:  # (a run already failed here raises as such, below)
-                        failed.append((worker, header["failed"]))
+                        failed.append(said)
                     continue
                 self.runs = max(self.runs, theirs)  # (it made more runs than this one)
                 if run is not None and theirs == run:
-                    failed.append((worker, header["failed"]))
+                    failed.append(said)
                 else:
                     stale = True
             elif theirs != run and self._failed_before(theirs, place):
@@ -1227,7 +1225,7 @@ class World:
             self._run_failed(run, place)
             raise ReplicaExitedError(
                 f"{what}: "
-                + "; ".join(f"{self.who(w)} will not join it: {text}" for w, text in failed)
+                + "; ".join(failed)
                 + ". A run that fails on one worker fails on every worker (its next "
                 "cross-worker call raises this); the workers' order of operations is kept, "
                 "so the program may go on with its next run."
@@ -1239,6 +1237,13 @@ class World:
         self._recovering = False  # (no stale header follows a place without one)
         self._check(headers, what)
         return headers
+
+    def _peer_failed(self, worker: int, run: int, place: int, text: str) -> str:
+        """Peer ``worker``'s failure header at place ``place`` says its run ``run``
+        failed (``text``: how): that run is failed here too (``_run_failed``).
+        Returns what this worker's run of that number raises with."""
+        self._run_failed(run, place)
+        return f"{self.who(worker)} will not join it: {text}"
 
     def _dead(self, what: str, run: int) -> str:
         known = self._failures.get(run)
@@ -1280,9 +1285,9 @@ class World:
             for worker, header in enumerate(self._headers(posted.mine, posted.received)):
                 theirs = header.get("run")
                 if worker != self.rank and header.get("failed") and theirs not in self.failed_runs:
-                    self._run_failed(theirs, order)  # (not counted: this worker runs it still)
-                    self._failures[theirs] = (
-                        f"{self.who(worker)} will not join it: {header['failed']}"
+                    # (not counted: this worker runs it still)
+                    self._failures[theirs] = self._peer_failed(
+                        worker, theirs, order, header["failed"]
                     )
         if done:  # (its send buffer goes with it: MPI is done with it)
             keep = [
