@@ -1613,9 +1613,9 @@ class _WorkerGroup(RunGroup):
         options = first[OPTIONS]
         timeout = options.timeout_seconds
         # The run's number and the call's are in the key: a call can only ever meet
-        # the same call of the same run on the other workers.
-        current = _current_run.get()  # (strategy.run sets it, and numbers the run)
-        run = None if current is None else current.number
+        # the same call of the same run on the other workers. (The run is in flight:
+        # it waits for this task. So this is the run its headers say, from one source.)
+        run = world._run_now()
         what = f"{signature.text}, call #{number} of run {run}"
         key = repr((run, number, signature.name, signature.key))
         arrays = [payload[ARRAYS] for payload in payloads]
