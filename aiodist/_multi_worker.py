@@ -340,16 +340,15 @@ class _Turn:
 
 
 class _Run:
-    """One ``strategy.run``: its number among this worker's runs, and whether it is
-    in flight (both set by ``World.begin_run`` as its turn comes, the second
-    cleared by ``World.end_run``); its strategy's world, and the future done when
-    it ends (set by ``MultiWorkerMirroredStrategy.run``)."""
+    """One ``strategy.run``: its number among this worker's runs (set by
+    ``World.begin_run`` as its turn comes), its strategy's world, and the future
+    done when it ends (set by ``MultiWorkerMirroredStrategy.run``). It is in
+    flight while it has a number and has not ended."""
 
-    __slots__ = ("ended", "flying", "number", "world")
+    __slots__ = ("ended", "number", "world")
 
     def __init__(self, world: World, ended: asyncio.Future):
         self.number: int | None = None
-        self.flying = False
         self.world, self.ended = world, ended
 
 
@@ -623,16 +622,14 @@ class World:
         """Number ``run``, whose turn has come, and hold it while it is in flight."""
         self.runs += 1
         run.number = self.runs
-        run.flying = True
         self._hold(run.number)
         return run.number
 
     def end_run(self, run: _Run) -> None:
-        """``run`` has ended: from now on it posts no header (``_run_now``); only the
-        operations it started that are still in flight may."""
-        if run.flying:
-            run.flying = False
-            self._let_go(run.number)
+        """``run`` has ended (called once, after ``begin_run``): once its end is set,
+        right after this, it posts no header (``_run_now``); only the operations it
+        started that are still in flight may."""
+        self._let_go(run.number)
 
     def _hold(self, run: int) -> None:
         self._holders[run] = self._holders.get(run, 0) + 1
@@ -650,7 +647,9 @@ class World:
         if turn is not None:
             return turn.run
         current = _current_run.get()
-        return current.number if current is not None and current.flying else None
+        if current is None or current.ended.done():  # (or not numbered yet: None)
+            return None
+        return current.number
 
     def _low(self) -> int:
         """The lowest run number this worker may still post a header of: its lowest
