@@ -342,8 +342,8 @@ class _Turn:
 class _Run:
     """One ``strategy.run``: its number among this worker's runs (set by
     ``World.begin_run`` as its turn comes), its strategy's world, and the future
-    done when it ends (set by ``MultiWorkerMirroredStrategy.run``). It is in
-    flight while it has a number and has not ended."""
+    done when it ends (set by ``World.end_run``). It is in flight while it has a
+    number and has not ended."""
 
     __slots__ = ("ended", "number", "world")
 
@@ -626,10 +626,16 @@ class World:
         return run.number
 
     def end_run(self, run: _Run) -> None:
-        """``run`` has ended (called once, after ``begin_run``): once its end is set,
-        right after this, it posts no header (``_run_now``); only the operations it
-        started that are still in flight may."""
-        self._let_go(run.number)
+        """``run`` has ended (called once, after ``begin_run``): it posts no header
+        from now on (``_run_now``), only the operations it started that are still
+        in flight may; the failed runs no header can still be classified against
+        are forgotten, and its end is set, whatever happens (the runs after it
+        wait for it)."""
+        try:
+            self._let_go(run.number)
+            self.forget_failed_runs()
+        finally:
+            run.ended.set_result(None)
 
     def _hold(self, run: int) -> None:
         self._holders[run] = self._holders.get(run, 0) + 1
@@ -1874,7 +1880,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                 # at this place may have started. It keeps its place, and when its turn
                 # comes it fails as a run cancelled while running does, so the runs
                 # after it pair with the other workers' runs.
-                previous.add_done_callback(functools.partial(self._never_started, run, ended))
+                previous.add_done_callback(functools.partial(self._never_started, run))
                 raise
         try:
             # Numbered now, whether it makes a cross-worker call or not: where it fails
@@ -1896,13 +1902,9 @@ class MultiWorkerMirroredStrategy(Strategy):
             world.run_ended()  # (before the next run's exchanges)
             return result
         finally:
-            try:
-                world.end_run(run)
-                world.forget_failed_runs()
-            finally:  # (whatever happened above: the runs after this one wait for it)
-                ended.set_result(None)
+            world.end_run(run)  # (and its end is set: the runs after it may start)
 
-    def _never_started(self, run: _Run, ended: asyncio.Future, _: object = None) -> None:
+    def _never_started(self, run: _Run, _: object = None) -> None:
         """The turn of ``run``, cancelled while it waited for it, has come: its failure
         header takes its place (the other workers' run there raises, naming it)."""
         world = self._world
@@ -1911,11 +1913,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             if number not in world.failed_runs:
                 world.tell_failure(number, f"its run {number} was cancelled before it started")
         finally:
-            try:
-                world.end_run(run)
-                world.forget_failed_runs()
-            finally:
-                ended.set_result(None)
+            world.end_run(run)
 
     def _failure_text(self, run: int, exc: BaseException) -> str:
         if isinstance(exc, asyncio.CancelledError) and isinstance(
