@@ -333,7 +333,7 @@ class _Turn:
 
     __slots__ = ("agreed", "held", "run", "ticket")
 
-    def __init__(self, run: int | None = None) -> None:
+    def __init__(self, run: int | None) -> None:
         self.ticket: int | None = None
         self.agreed = self.held = False
         self.run = run
@@ -771,7 +771,7 @@ class World:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             try:
-                await self._finish_cancelled(task, turn, turn.run)
+                await self._finish_cancelled(task, turn)
             except asyncio.CancelledError:  # cancelled again: it finishes on its own
                 self._background[task] = owner
                 task.add_done_callback(functools.partial(self._finished_after_failing, what))
@@ -779,7 +779,7 @@ class World:
             self._finished_after_failing(what, task)
             raise
 
-    async def _finish_cancelled(self, task: asyncio.Task, turn: _Turn, run: int | None) -> None:
+    async def _finish_cancelled(self, task: asyncio.Task, turn: _Turn) -> None:
         """Wait for ``task``, an operation whose caller was cancelled, to end. It is
         cancelled where nobody can wait for its data step: it posted no header yet,
         or its header exchange, not agreed yet, is of a run known failed on every
@@ -790,7 +790,7 @@ class World:
         loop = asyncio.get_running_loop()
         while not task.done():
             ticket = turn.ticket
-            if ticket is None or (not turn.agreed and self._failed_before(run, ticket)):
+            if ticket is None or (not turn.agreed and self._failed_before(turn.run, ticket)):
                 task.cancel()
                 await asyncio.wait([task])
                 return
@@ -1916,9 +1916,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             world.end_run(run)
 
     def _failure_text(self, run: int, exc: BaseException) -> str:
-        if isinstance(exc, asyncio.CancelledError) and isinstance(
-            self._failed_with, SystemExit | KeyboardInterrupt
-        ):
+        if isinstance(exc, asyncio.CancelledError) and self._failed_with is not None:
             # It left the event loop at once (asyncio's rule for these two), and the
             # loop's shutdown then cancelled the run: the replica's is the cause.
             exc = self._failed_with
