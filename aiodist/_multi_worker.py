@@ -1275,18 +1275,13 @@ class World:
         has nothing left to keep: it is dropped."""
         if not self._pending:
             return
-        done = False
         for posted in self._pending:
             order = posted.mine["order"]
             count = len(posted.peers)
             marks = posted.marks[:count]  # (empty until the thread posts them)
-            if order in self._read:
-                done = done or posted.future.done()
-                continue
-            if order >= before or len(marks) < count or not all(marks):
+            if order in self._read or order >= before or len(marks) < count or not all(marks):
                 continue
             self._read.add(order)
-            done = done or posted.future.done()
             for worker, header in enumerate(self._headers(posted.mine, posted.received)):
                 theirs = header.get("run")
                 if worker != self.rank and header.get("failed") and theirs not in self.failed_runs:
@@ -1294,10 +1289,9 @@ class World:
                     self._failures[theirs] = self._peer_failed(
                         worker, theirs, order, header["failed"]
                     )
-        if done:  # (its send buffer goes with it: MPI is done with it)
-            keep = [
-                p for p in self._pending if not (p.mine["order"] in self._read and p.future.done())
-            ]
+        # (a read dropped takes its send buffer with it: MPI is done with it)
+        keep = [p for p in self._pending if not (p.mine["order"] in self._read and p.future.done())]
+        if len(keep) < len(self._pending):
             self._read.intersection_update(p.mine["order"] for p in keep)
             self._pending = keep
 
