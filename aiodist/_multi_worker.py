@@ -1001,7 +1001,7 @@ class World:
             # Every run is numbered, those making no cross-worker call too.
             seen += (
                 ". The workers are at different runs ("
-                + ", ".join(f"worker {w}: run {r}" for w, r in enumerate(runs))
+                + ", ".join(f"{self.who(w)}: run {r}" for w, r in enumerate(runs))
                 + "): every worker must make the same strategy.run calls, those that "
                 "make no cross-worker call included; runs made on one worker only (a "
                 "Batcher serving each worker's own requests) need a strategy of their own"

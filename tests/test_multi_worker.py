@@ -307,7 +307,10 @@ def test_a_run_without_cross_worker_calls_failing_on_one_worker_keeps_the_runs_p
         assert result["a"] == [2.0] and result["b"] == [20.0], result
         name, message = result["c"]
         assert name == "CollectiveMismatchError", result
-        assert "The workers are at different runs (worker 0: run 5, worker 1: run 4)" in message
+        assert (
+            "The workers are at different runs (worker 0 (replica 0): run 5, "
+            "worker 1 (replica 1): run 4)"
+        ) in message
         assert "every worker must make the same strategy.run calls" in message
         assert result["reduce"] == 3.0, result
 
