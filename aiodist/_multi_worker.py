@@ -343,9 +343,10 @@ class _Run:
     """One ``strategy.run``: its number among this worker's runs (set by
     ``World.begin_run`` as its turn comes), its strategy's world, and the future
     done when it ends (set by ``World.end_run``). It is in flight while it has a
-    number and has not ended."""
+    number and has not ended; a task it started that outlives it still posts
+    headers of it (``World._run_now``), so it is held until collected too."""
 
-    __slots__ = ("ended", "number", "world")
+    __slots__ = ("__weakref__", "ended", "number", "world")
 
     def __init__(self, world: World, ended: asyncio.Future):
         self.number: int | None = None
@@ -420,13 +421,15 @@ class World:
         # Forgotten once no header of the run can still come (forget_failed_runs).
         self.failed_runs: dict[int, int] = {}
         # The runs this worker may still post a header of, each with how many hold
-        # it: the run while in flight (begin_run to end_run), and each operation it
-        # started while it is in flight (operate), as that one may still post. A
-        # call made once its run has ended (from a task the run started) is a call
-        # outside any run (_run_now). Every header says the lowest run its sender
+        # it: the run while in flight (begin_run to end_run) and while its _Run is
+        # referenced (a task the run started may call once it has ended, and its
+        # call is of that run: _run_now), and each operation it started while that
+        # is in flight (operate), as it may still post. Every header says the lowest run its sender
         # may still post a header of ("low", see _low); _peer_lows keeps, for each
         # peer, the places where its low rose: (place, low), in place order.
         self._holders: dict[int, int] = {}
+        # The numbers of runs whose _Run was collected, to let go of (see begin_run).
+        self._collected: list[int] = []
         self._peer_lows: dict[int, collections.deque] = {}
         # The places this worker posted a header at whose peers' headers are not
         # read yet (_headers reads them): the lowest is where forget_failed_runs
@@ -619,16 +622,23 @@ class World:
         return run is not None and self.failed_runs.get(run, math.inf) < place
 
     def begin_run(self, run: _Run) -> int:
-        """Number ``run``, whose turn has come, and hold it while it is in flight."""
+        """Number ``run``, whose turn has come, and hold it while it is in flight,
+        and while anything can still make a call of it: a task it started that
+        outlives it belongs to it (``_run_now``), so it is held until the ``_Run``
+        is collected. (The finalizer may run on another thread, the garbage
+        collector's: it only appends to ``_collected``, which the loop's thread
+        drains, see ``_low``.)"""
         self.runs += 1
-        run.number = self.runs
-        self._hold(run.number)
-        return run.number
+        number = run.number = self.runs
+        self._hold(number)  # in flight: let go by end_run
+        self._hold(number)  # referenced: let go once collected
+        weakref.finalize(run, self._collected.append, number).atexit = False
+        return number
 
     def end_run(self, run: _Run) -> None:
-        """``run`` has ended (called once, after ``begin_run``): it posts no header
-        from now on (``_run_now``), only the operations it started that are still
-        in flight may; the failed runs no header can still be classified against
+        """``run`` has ended (called once, after ``begin_run``): only the operations
+        it started that are still in flight, and tasks it started that outlive it,
+        may still post headers of it; the failed runs no header can still be classified against
         are forgotten, and its end is set, whatever happens (the runs after it
         wait for it)."""
         try:
@@ -647,20 +657,22 @@ class World:
 
     def _run_now(self) -> int | None:
         """The run a header posted now is of: the calling operation's (``operate``),
-        else that of the run in flight the caller belongs to, else None (outside
-        any run; also a call made from a task its run started, once it has ended)."""
+        else that of the run the caller belongs to (also from a task the run
+        started, once the run has ended: which run it is must not depend on when
+        the run ended on each worker), else None (outside any run)."""
         turn = _current_turn.get()
         if turn is not None:
             return turn.run
         current = _current_run.get()
-        if current is None or current.ended.done():  # (or not numbered yet: None)
-            return None
-        return current.number
+        return None if current is None else current.number  # (None: not numbered yet)
 
     def _low(self) -> int:
         """The lowest run number this worker may still post a header of: its lowest
         held run's, else the next run's. Runs are numbered upwards and one is held
         only from its start, so it never goes down."""
+        collected = self._collected
+        while collected:  # (runs collected since: pop is atomic, appends may race)
+            self._let_go(collected.pop())
         return min(self._holders, default=self.runs + 1)
 
     def forget_failed_runs(self) -> None:
@@ -752,6 +764,11 @@ class World:
 
         async def run_it() -> Any:
             _current_turn.set(turn)  # (in the task's own context)
+            # Nor the run itself: the turn says which run its headers are of, and a
+            # kept traceback of the caller's failure holds this task (through this
+            # frame), whose context would hold the run for forgetting for ever (see
+            # World.begin_run).
+            _current_run.set(None)
             return await body()
 
         def ended(_: object = None) -> None:  # (also where the task never started)
@@ -1589,6 +1606,15 @@ async def _gather_leaves(
 class _WorkerGroup(RunGroup):
     """A run's local replicas; its collectives continue across workers."""
 
+    async def run(self, fn: Callable, args: Sequence, kwargs: dict) -> object:
+        try:
+            return await super().run(fn, args, kwargs)
+        finally:
+            # The caller's context it copied holds the run (_current_run): a kept
+            # traceback of the run's failure holds this group, and the run would stay
+            # held for forgetting (see World.begin_run) for ever.
+            self._base = None
+
     def _collective(self, number: int, signature: Any, payloads: list) -> Any:
         self._count_bytes(signature.name, payloads)
         return self._spawn(self._across_workers(number, signature, payloads))
@@ -1897,6 +1923,10 @@ class MultiWorkerMirroredStrategy(Strategy):
             return result
         finally:
             world.end_run(run)  # (and its end is set: the runs after it may start)
+            # Not held by this frame once it ends: a traceback of the run's failure
+            # that the program keeps (a last error) holds the frame, and the run
+            # would stay held for forgetting (see World.begin_run) for ever.
+            run = None
 
     def _never_started(self, run: _Run, _: object = None) -> None:
         """The turn of ``run``, cancelled while it waited for it, has come: its failure

@@ -673,6 +673,40 @@ async def _runs_without_calls(strategy: aiodist.Strategy) -> dict:
     return out
 
 
+async def _stray_call(strategy: aiodist.Strategy) -> dict:
+    """A task that run A's merge_fn started calls strategy.reduce after 0.3 s: on
+    worker 0 while A is still in flight, on worker 1 after A has ended, as A fails
+    there (it makes no cross-worker call). The call is of run A on both, so it
+    raises on both; the next reduce pairs. (While a call made once its run had
+    ended belonged to no run, worker 1's paired with worker 0's next reduce:
+    1 + 200 = 201, silently; then a timeout and MPI_Abort.)"""
+    w = strategy.worker_index
+    tasks = []
+
+    async def late():
+        await asyncio.sleep(0.3)
+        return float(await strategy.reduce("sum", np.float64(100 * (w + 1)), axis=None))
+
+    def merge_fn(_):
+        tasks.append(asyncio.ensure_future(late()))
+
+    async def step():
+        aiodist.get_replica_context().merge_call(merge_fn)
+        if w == 1:
+            raise ValueError("bad on worker 1")
+        await asyncio.sleep(1.0)
+        return 1.0
+
+    out = {"run": await _outcome(strategy, strategy.run(step))}
+    try:
+        out["late"] = await tasks[0]
+    except aiodist.AiodistError as exc:
+        out["late"] = [type(exc).__name__, str(exc)]
+    with strategy.scope():
+        out["next"] = float(await strategy.reduce("sum", np.float64(w + 1), axis=None))
+    return out
+
+
 async def _different_calls(strategy: aiodist.Strategy) -> dict:
     """Worker 1 calls another cross-replica API than worker 0 at the same place,
     with values of one shape: each outcome, then a reduce that must pair."""
@@ -1253,6 +1287,7 @@ _BOUNDED = (
     "sync_after_a_failed_run",
     "plain_values",
     "runs_without_calls",
+    "stray_call",
 )  # a 30 s timeout: failing at once shows
 
 
@@ -1322,6 +1357,7 @@ def main() -> None:
         "failed_run_frees": _failed_run_frees,
         "many_successes": _many_successes,
         "runs_without_calls": _runs_without_calls,
+        "stray_call": _stray_call,
         "plain_values": plain_values,
     }[mode]
     _report(strategy, _run(work(strategy)))

@@ -316,6 +316,22 @@ def test_a_run_without_cross_worker_calls_failing_on_one_worker_keeps_the_runs_p
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_call_from_a_task_that_outlives_its_failed_run_is_of_that_run_on_every_worker(loop):
+    """A task run A started calls strategy.reduce while A is still in flight on one
+    worker and after it ended (failing) on the other. Which run the call belongs
+    to must not depend on that timing: it is A's on both, so it raises on both and
+    the next reduce pairs (before: worker 1's call belonged to no run and paired
+    with worker 0's next reduce, 201 on worker 0, a timeout and MPI_Abort)."""
+    rc, results, output, _ = _program(2, "stray_call", [1, 1], loop=loop)
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == [0, 1], output[-3000:]
+    assert results[0]["run"] == [1.0] and results[1]["run"][0] == "ValueError", results
+    for result in results.values():
+        assert result["late"][0] == "ReplicaExitedError", result
+        assert result["next"] == 3.0, result
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_failures_in_a_row_on_one_worker_keep_the_runs_paired(loop):
     """Worker 1's runs 1-4 fail before any collective, while worker 0's start two
     collectives each. Before, worker 0's second exchange of run k met worker 1's
