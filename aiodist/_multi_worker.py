@@ -421,12 +421,12 @@ class World:
         # Forgotten once no header of the run can still come (forget_failed_runs).
         self.failed_runs: dict[int, int] = {}
         # The runs this worker may still post a header of, each with how many hold
-        # it: the run while in flight (begin_run to end_run) and while its _Run is
-        # referenced (a task the run started may call once it has ended, and its
-        # call is of that run: _run_now), and each operation it started while that
-        # is in flight (operate), as it may still post. Every header says the lowest run its sender
-        # may still post a header of ("low", see _low); _peer_lows keeps, for each
-        # peer, the places where its low rose: (place, low), in place order.
+        # it: the run while its _Run is referenced (in flight, or by a task it
+        # started that outlives it, whose calls are of that run: _run_now), and
+        # each operation it started while that is in flight (operate), as it may
+        # still post. Every header says the lowest run its sender may still post a
+        # header of ("low", see _low); _peer_lows keeps, for each peer, the places
+        # where its low rose: (place, low), in place order.
         self._holders: dict[int, int] = {}
         # The numbers of runs whose _Run was collected, to let go of (see begin_run).
         self._collected: list[int] = []
@@ -622,27 +622,24 @@ class World:
         return run is not None and self.failed_runs.get(run, math.inf) < place
 
     def begin_run(self, run: _Run) -> int:
-        """Number ``run``, whose turn has come, and hold it while it is in flight,
-        and while anything can still make a call of it: a task it started that
-        outlives it belongs to it (``_run_now``), so it is held until the ``_Run``
-        is collected. (The finalizer may run on another thread, the garbage
-        collector's: it only appends to ``_collected``, which the loop's thread
-        drains, see ``_low``.)"""
+        """Number ``run``, whose turn has come, and hold it while anything can still
+        make a call of it: until the ``_Run`` is collected, which is after it ends
+        (its ``strategy.run`` holds it until then), and later if a task it started
+        outlives it (that task's calls are of it: ``_run_now``). (The finalizer may
+        run on another thread, the garbage collector's: it only appends to
+        ``_collected``, which the loop's thread drains, see ``_low``.)"""
         self.runs += 1
         number = run.number = self.runs
-        self._hold(number)  # in flight: let go by end_run
-        self._hold(number)  # referenced: let go once collected
+        self._hold(number)
         weakref.finalize(run, self._collected.append, number).atexit = False
         return number
 
     def end_run(self, run: _Run) -> None:
-        """``run`` has ended (called once, after ``begin_run``): only the operations
-        it started that are still in flight, and tasks it started that outlive it,
-        may still post headers of it; the failed runs no header can still be classified against
-        are forgotten, and its end is set, whatever happens (the runs after it
-        wait for it)."""
+        """``run`` has ended (called once, after ``begin_run``; it stays held until
+        collected, see there): the failed runs no header can still be classified
+        against are forgotten, and its end is set, whatever happens (the runs after
+        it wait for it)."""
         try:
-            self._let_go(run.number)
             self.forget_failed_runs()
         finally:
             run.ended.set_result(None)
