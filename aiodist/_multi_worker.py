@@ -346,11 +346,18 @@ class _Run:
     number and has not ended; a task it started that outlives it still posts
     headers of it (``World._run_now``), so it is held until collected too."""
 
-    __slots__ = ("__weakref__", "ended", "number", "world")
+    __slots__ = ("ended", "number", "world")
 
     def __init__(self, world: World, ended: asyncio.Future):
         self.number: int | None = None
         self.world, self.ended = world, ended
+
+    def __del__(self) -> None:
+        # Collected: let go of it (see World.begin_run). Maybe on the garbage
+        # collector's thread, so only an append, drained on the loop's thread. (Not
+        # a weakref.finalize: an entry in its global registry per run, about 1 us.)
+        if self.number is not None:
+            self.world._collected.append(self.number)
 
 
 # The run the current task belongs to (its replicas' and collectives' tasks inherit it
@@ -625,13 +632,12 @@ class World:
         """Number ``run``, whose turn has come, and hold it while anything can still
         make a call of it: until the ``_Run`` is collected, which is after it ends
         (its ``strategy.run`` holds it until then), and later if a task it started
-        outlives it (that task's calls are of it: ``_run_now``). (The finalizer may
-        run on another thread, the garbage collector's: it only appends to
+        outlives it (that task's calls are of it: ``_run_now``). (Its ``__del__``
+        may run on another thread, the garbage collector's: it only appends to
         ``_collected``, which the loop's thread drains, see ``_low``.)"""
         self.runs += 1
         number = run.number = self.runs
-        self._hold(number)
-        weakref.finalize(run, self._collected.append, number).atexit = False
+        self._hold(number)  # (let go by _Run.__del__)
         return number
 
     def end_run(self, run: _Run) -> None:
@@ -661,7 +667,7 @@ class World:
         if turn is not None:
             return turn.run
         current = _current_run.get()
-        return None if current is None else current.number  # (None: not numbered yet)
+        return None if current is None else current.number  # (set once numbered)
 
     def _low(self) -> int:
         """The lowest run number this worker may still post a header of: its lowest
@@ -1603,15 +1609,6 @@ async def _gather_leaves(
 class _WorkerGroup(RunGroup):
     """A run's local replicas; its collectives continue across workers."""
 
-    async def run(self, fn: Callable, args: Sequence, kwargs: dict) -> object:
-        try:
-            return await super().run(fn, args, kwargs)
-        finally:
-            # The caller's context it copied holds the run (_current_run): a kept
-            # traceback of the run's failure holds this group, and the run would stay
-            # held for forgetting (see World.begin_run) for ever.
-            self._base = None
-
     def _collective(self, number: int, signature: Any, payloads: list) -> Any:
         self._count_bytes(signature.name, payloads)
         return self._spawn(self._across_workers(number, signature, payloads))
@@ -1922,8 +1919,10 @@ class MultiWorkerMirroredStrategy(Strategy):
             world.end_run(run)  # (and its end is set: the runs after it may start)
             # Not held by this frame once it ends: a traceback of the run's failure
             # that the program keeps (a last error) holds the frame, and the run
-            # would stay held for forgetting (see World.begin_run) for ever.
-            run = None
+            # would stay held for forgetting (see World.begin_run) for ever. Nor
+            # the run it was called from (outer, and the token's old value), which
+            # may have ended: a task that run started may make this one.
+            run = outer = token = None
 
     def _never_started(self, run: _Run, _: object = None) -> None:
         """The turn of ``run``, cancelled while it waited for it, has come: its failure

@@ -725,6 +725,9 @@ class RunGroup:
             # And run -> merge_fn -> its closure -> a task -> context -> run (the
             # function the last merge_call passed: see ReplicaContext.merge_call).
             self._merge_fn, self._merge_signature = _NO_MERGE_FN, None
+            # And the caller's context, copied (what it holds: a failed run's kept
+            # traceback holds this group; multi-worker's run is in it).
+            self._base = None
         if self._failure is not None:
             # Its traceback will hold this frame: nothing the frame reaches may hold
             # it, or every failed run is a cycle left to the garbage collector. So the
