@@ -39,7 +39,8 @@ def _is_namedtuple(value: object) -> bool:
     return isinstance(value, tuple) and hasattr(type(value), "_fields")
 
 
-def _keys(mapping: dict) -> list:
+def dict_keys(mapping: dict) -> list:
+    """A dict's keys in visiting order (also for error messages' paths)."""
     try:
         return sorted(mapping)
     except TypeError:  # keys of several types: see the module docstring
@@ -48,9 +49,6 @@ def _keys(mapping: dict) -> list:
         return sorted(mapping, key=_by_type_then_value)
     except TypeError:
         return sorted(mapping, key=_by_type_then_repr)
-
-
-dict_keys = _keys  # a dict's keys in visiting order (for error messages' paths)
 
 
 def _by_type_then_value(key: object) -> tuple:
@@ -66,14 +64,14 @@ def _by_type_then_repr(key: object) -> tuple:
 def children(value: list | tuple | dict) -> list:
     """The direct children of a nested value, in visiting order."""
     if isinstance(value, dict):
-        return [value[key] for key in _keys(value)]
+        return [value[key] for key in dict_keys(value)]
     return list(value)
 
 
 def rebuild(template: list | tuple | dict, new_children: list) -> Any:
     """A container of ``template``'s type and keys holding ``new_children``."""
     if isinstance(template, dict):
-        items = dict(zip(_keys(template), new_children, strict=True))
+        items = dict(zip(dict_keys(template), new_children, strict=True))
         # Keep the template's own key order in the result.
         ordered = {key: items[key] for key in template}
         return ordered if type(template) is dict else _dict_like(template, ordered)
@@ -179,7 +177,7 @@ def map_structure(fn: Callable[[object], object], value: object) -> Any:
 def skeleton(value: object) -> object:
     """A hashable summary of ``value``'s nesting (leaves become None)."""
     if isinstance(value, dict):
-        return ("dict", tuple((key, skeleton(value[key])) for key in _keys(value)))
+        return ("dict", tuple((key, skeleton(value[key])) for key in dict_keys(value)))
     if isinstance(value, list | tuple):
         if not any_nested(value):
             return (type(value).__name__, len(value))  # flat: no per-leaf work

@@ -70,7 +70,6 @@ class Tracer:
         self.pid = os.getpid()
         self._start = time.perf_counter_ns()
         self._events: list[dict] = []
-        self._tracks: set[int] = set()
         self._lock = threading.Lock()  # prefetch threads may record too
         self._runs = 0
         self._lanes: set[int] = set()  # held by runs in flight
@@ -122,7 +121,6 @@ class Tracer:
     ) -> None:
         """A complete event ("X") from ``start`` to ``end`` (microseconds)."""
         with self._lock:
-            self._tracks.add(track)
             self._events.append(
                 {
                     "ph": "X",
@@ -139,7 +137,6 @@ class Tracer:
     def instant(self, name: str, category: str, track: int, at: float, **args: Any) -> None:
         """An instant event ("i") on one track."""
         with self._lock:
-            self._tracks.add(track)
             self._events.append(
                 {
                     "ph": "i",
@@ -155,7 +152,8 @@ class Tracer:
 
     def write(self) -> Path:
         with self._lock:
-            events, tracks = list(self._events), set(self._tracks)
+            events = list(self._events)
+        tracks = {event["tid"] for event in events}
         # In time order, the outer of two spans that start together first, and an
         # instant before a zero-length span at its time: the file's order, and the
         # order _untangle places the spans in.
