@@ -478,6 +478,12 @@ class RunGroup:
         else:
             self._rendezvous.replica_exited(replica, how)
 
+    def _has_exited(self, replica: int) -> bool:
+        """Whether ``_replica_exited`` has noted ``replica``'s exit."""
+        if self._rendezvous is None:
+            return any(noted == replica for noted, _ in self._exits)
+        return replica in self._rendezvous.exited
+
     def arrive(
         self, replica_id: int, signature: Signature, payload: Any, options: CommunicationOptions
     ) -> asyncio.Future:
@@ -905,13 +911,8 @@ class RunGroup:
             )
         # A replica that ran and raised or was cancelled has told the run already
         # (_replica_failed, queued before this callback): its exit is noted.
-        rendezvous = self._rendezvous
-        if rendezvous is not None:
-            if rid in rendezvous.exited:
-                return
-        elif any(replica == rid for replica, _ in self._exits):
-            return
-        self._replica_failed(rid, exc)
+        if not self._has_exited(rid):
+            self._replica_failed(rid, exc)
 
     def _cancel_all(self) -> None:
         self._cancelling = True
