@@ -276,10 +276,17 @@ class trace:
                 f"a trace is already being recorded (to {str(active.path)!r}); traces are "
                 "process-wide: finish that one first."
             )
-        if not self.path.parent.is_dir():  # now, not after the block has run
+        # Checked now, not after the block has run (a training loop, say), whose
+        # whole trace would then be lost to a write that cannot succeed.
+        if not self.path.parent.is_dir():
             raise InvalidArgumentError(
                 f"aiodist.trace: cannot write {str(self.path)!r}: the folder "
                 f"{str(self.path.parent)!r} does not exist; create it first."
+            )
+        if self.path.is_dir():  # (a folder, or "": the current one)
+            raise InvalidArgumentError(
+                f"aiodist.trace: cannot write {str(self.path)!r}: it is a folder; name "
+                f"a file to write, e.g. {str(self.path / 'trace.json')!r}."
             )
         self.tracer = active = Tracer(self.path)
         return self.tracer

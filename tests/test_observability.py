@@ -995,6 +995,21 @@ async def test_trace_path_is_checked_first_and_never_hides_the_blocks_error(tmp_
     assert "could not write" in caplog.text
 
 
+async def test_a_trace_path_naming_a_folder_is_refused_before_the_block_runs(tmp_path, two):
+    # It was found only when the file was written, after the block (a whole training
+    # loop) had run, and the trace was lost with an IsADirectoryError.
+    for folder in (tmp_path, str(tmp_path)):
+        with pytest.raises(aiodist.InvalidArgumentError, match=r"it is a folder; name a file"):
+            with aiodist.trace(folder):
+                pytest.fail("the block must not run")
+        with pytest.raises(aiodist.InvalidArgumentError, match=r"it is a folder"):
+            async with aiodist.trace(folder):
+                pytest.fail("the block must not run")
+    with aiodist.trace(tmp_path / "t.json"):  # no trace was left recording
+        await two.run(rid)
+    assert (tmp_path / "t.json").is_file()
+
+
 async def test_await_chain_shows_no_scheduler_frames_while_tracing(two, tmp_path):
     # While tracing, a plain replica function returning a coroutine runs inside two
     # scheduler wrappers (_traced, _call); the chain starts at the user's frames.
