@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import sys
 
@@ -44,6 +45,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps={args.steps}; expected at least 1")
+    # (nan and inf trained to nan weights without a word; a negative seed failed
+    # deep in NumPy's seeding, with a traceback.)
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        parser.error(f"--lr={args.lr}; expected a finite number > 0")
+    if args.seed < 0:
+        parser.error(f"--seed={args.seed}; expected a whole number >= 0")
     return args
 
 

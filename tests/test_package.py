@@ -94,6 +94,24 @@ def test_demo_reports_bad_devices():
     assert "device string 'tpu:0' is not understood" in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "expected"),
+    [
+        ("--lr", "nan", "--lr=nan; expected a finite number > 0"),
+        ("--lr", "inf", "--lr=inf; expected a finite number > 0"),
+        ("--lr", "-0.1", "--lr=-0.1; expected a finite number > 0"),
+        ("--seed", "-1", "--seed=-1; expected a whole number >= 0"),
+    ],
+)
+def test_demo_refuses_bad_flag_values_with_a_usage_error(flag, value, expected):
+    # nan and inf trained to nan weights, exit status 0; a negative seed failed in
+    # NumPy's seeding with a traceback.
+    done = run_demo(flag, value, "--steps", "1")
+    assert done.returncode == 2, done.stdout
+    assert expected in done.stderr and "Traceback" not in done.stderr
+    assert "step" not in done.stdout  # refused before training
+
+
 def test_error_messages_link_to_their_docs_section():
     headings = {
         line[3:].strip().lower()
