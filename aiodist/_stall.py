@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import gc
+import inspect
 import logging
 import math
 import os
@@ -204,6 +205,22 @@ class Watchdog:
             self.ensure(next_due)
 
 
+# What a report shows for a task suspended with no frame of the user's to show.
+_NO_FRAME = "(awaiting an awaitable with no coroutine frame behind it, such as a future)"
+
+
+def _started(task: Any) -> bool:
+    """Whether ``task``'s coroutine has taken its first step (what is not a
+    coroutine or generator, say a custom task factory's own awaitable, counts as
+    started: no stall report claims a replica has not started unless it knows)."""
+    coro = task.get_coro()
+    if isinstance(coro, CoroutineType):
+        return inspect.getcoroutinestate(coro) != inspect.CORO_CREATED
+    if isinstance(coro, GeneratorType):
+        return inspect.getgeneratorstate(coro) != inspect.GEN_CREATED
+    return True
+
+
 def _chain_of(task: Any) -> list[str]:
     """``await_chain`` of a task's coroutine; never raises (a diagnostic: a report,
     and the later ones, must not be lost)."""
@@ -226,7 +243,11 @@ def _report(group: RunGroup, row: InFlight, now: float) -> str:
             lines.append(f"  replica {replica}: finished")
             continue
         lines.append(f"  replica {replica}:")
-        lines.extend(f"    {entry}" for entry in _chain_of(task) or ["(not started yet)"])
+        # No frame of the user's: a task not started yet, or (the usual case) a plain
+        # replica function whose returned future (run_in_executor, gather) is awaited
+        # by the scheduler's frame, which is not shown.
+        chain = _chain_of(task) or [_NO_FRAME if _started(task) else "(not started yet)"]
+        lines.extend(f"    {entry}" for entry in chain)
     lines.append(
         "This is a warning, not an error; set CommunicationOptions(timeout_seconds=...) to "
         "fail instead, or stall_warning_seconds=None to silence it."
@@ -245,9 +266,7 @@ def _running_report(group: RunGroup, row: InFlight, now: float) -> str:
     ]
     work = row.work
     if isinstance(work, asyncio.Task) and not work.done():
-        chain = _chain_of(work) or [
-            "(awaiting an awaitable with no coroutine frame behind it, such as a future)"
-        ]
+        chain = _chain_of(work) or [_NO_FRAME]
     else:  # (it ended as this report was made)
         chain = ["(finished)"]
     lines.append("  merge_fn:")

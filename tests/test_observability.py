@@ -81,6 +81,33 @@ async def test_stall_report_names_missing_replica_and_where_it_waits(caplog):
     assert chain[2].startswith("stuck_in_io (tests/test_observability.py:")
 
 
+async def test_a_plain_replica_function_awaiting_its_future_is_not_reported_as_unstarted(caplog):
+    # A plain replica function's returned future (here asyncio.gather's) is awaited
+    # by the scheduler's frame, which reports do not show: the chain is empty. The
+    # report said "(not started yet)" of a replica that had long started.
+    caplog.set_level(logging.WARNING, logger="aiodist")
+    options = aiodist.CommunicationOptions(stall_warning_seconds=0.03)
+    strategy = aiodist.MirroredStrategy(cpu_devices(2), communication_options=options)
+    release = asyncio.Event()
+
+    async def total():
+        if rid() == 1:
+            await release.wait()
+        return await aiodist.get_replica_context().all_reduce("sum", 1.0)
+
+    def fn():  # a plain function returning an awaitable (a future)
+        return asyncio.gather(total())
+
+    run = asyncio.create_task(strategy.run(fn))
+    [record, *_] = await wait_for_records(caplog, 1)
+    release.set()
+    assert strategy.experimental_local_results(await run) == ([2.0], [2.0])
+    message = record.getMessage()
+    assert "replica 0 arrived, replica 1 missing" in message
+    assert "  replica 1:\n    (awaiting an awaitable with no coroutine frame" in message
+    assert "not started" not in message
+
+
 async def test_stall_reports_repeat_at_growing_intervals_and_never_fail(caplog):
     caplog.set_level(logging.WARNING, logger="aiodist")
     strategy = aiodist.MirroredStrategy(cpu_devices(2))
