@@ -237,3 +237,13 @@ def test_reduction_device_of_another_kind_is_refused():
 def test_default_cross_device_ops_on_cpu_is_reduction_to_one_device():
     strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:1"])
     assert type(strategy.extended._cross_device_ops) is aiodist.ReductionToOneDevice
+
+
+def test_the_documented_default_cross_device_ops_names_nccl_for_distinct_gpus():
+    # MirroredStrategy's docstring (docs/api.md) gave ReductionToOneDevice as the
+    # default, while distinct GPUs get NcclAllReduce (_default_cross_device_ops,
+    # SPEC §6, docs/gpu.md); this machine may have no GPU to show it on.
+    doc = " ".join(aiodist.MirroredStrategy.__doc__.split())
+    entry = doc.split("cross_device_ops:", 1)[1].split("communication_options:", 1)[0]
+    assert "``NcclAllReduce`` for two or more distinct GPUs" in entry
+    assert "else ``ReductionToOneDevice``" in entry
