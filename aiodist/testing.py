@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -155,7 +156,20 @@ def _depth(node: pytest.Item | pytest.Collector) -> int:
 @pytest.fixture
 def aiodist_replicas(request: pytest.FixtureRequest) -> int:
     """The number of replicas for this test (2 unless the marker or a parameter says)."""
-    return int(getattr(request, "param", 2))
+    count = getattr(request, "param", 2)
+    # An indirect parametrize's value, unchecked by the marker's checks: int() made
+    # 2.5 two replicas, True one, and "3" three, so the test ran, and passed, on a
+    # count it did not ask for. A whole number (a NumPy one too) of at least 1.
+    try:
+        number = None if isinstance(count, bool) else operator.index(count)
+    except TypeError:
+        number = None
+    if number is None or number < 1:
+        raise InvalidArgumentError(
+            f"{request.node.nodeid}: aiodist_replicas={count!r}; expected a replica count, "
+            "a whole number >= 1, e.g. @pytest.mark.parametrize('aiodist_replicas', [1, 2, 4])."
+        )
+    return number
 
 
 @pytest.fixture

@@ -214,6 +214,29 @@ def test_bad_marker_is_a_usage_error(pytester):
     result.stdout.fnmatch_lines(["*aiodist_replicas(0,); expected one or more replica counts*"])
 
 
+def test_an_indirect_parametrize_with_a_bad_count_is_refused_not_rounded(pytester):
+    # int() made 2.5 two replicas, True one and "3" three: the tests ran, and passed,
+    # on counts they did not ask for.
+    result = run(
+        pytester,
+        """
+        import numpy as np
+        import pytest
+
+        @pytest.mark.parametrize(
+            "aiodist_replicas", [2.5, True, "3", 0, np.int64(3)], indirect=True
+        )
+        def test_count(aiodist_strategy, aiodist_replicas):
+            assert aiodist_strategy.num_replicas_in_sync == aiodist_replicas == 3
+        """,
+    )
+    result.assert_outcomes(passed=1, errors=4)
+    for shown in ("2.5", "True", "'3'", "0"):
+        result.stdout.fnmatch_lines(
+            [f"*aiodist_replicas={shown}; expected a replica count, a whole number >= 1*"]
+        )
+
+
 def test_assert_same_on_replicas_catches_a_replica_dependent_step(pytester):
     result = run(
         pytester,
