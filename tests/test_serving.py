@@ -648,11 +648,12 @@ async def _measure_lag_under_load():
         seen = f"p95 {p95 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, median {median * 1e3:.1f} ms"
         print(f"event-loop lag: {seen}")
         # The loop serves while it computes: half its ticks wake within 5 ms, 95% within
-        # 40 ms. (On a quiet 2-core machine: median 0.2-1.7 ms, p95 1-6 ms, p99 4-16 ms.
-        # With other processes loading both cores, p95 reached 32 ms and p99 42 ms on
-        # unchanged code, median 3 ms. A step that blocks the loop 5 ms per replica
-        # makes most ticks late: median 7.7 ms on uvloop, 19.2 ms on asyncio.)
-        assert median < 0.005 and p95 < 0.040, f"event-loop lag: {seen}"
+        # 100 ms. (On a quiet 2-core machine: median 0.2-1.7 ms, p95 1-6 ms, p99 4-16 ms.
+        # With other processes loading both cores, p95 reached 32 ms, and 50 ms at a
+        # load average of 5, on unchanged code, median 3 ms: the median is what tells a
+        # blocked loop. A step that blocks the loop 5 ms per replica makes most ticks
+        # late: median 7.7 ms on uvloop, 19.2 ms on asyncio.)
+        assert median < 0.005 and p95 < 0.100, f"event-loop lag: {seen}"
 
 
 # -- regressions from review -----------------------------------------------------------
