@@ -389,11 +389,11 @@ class _Pipeline:
                         # Stopped (aclose) while fetching: the source's cleanup
                         # raised. No consumer will see an entry now; aclose() raises it.
                         raise
-                    self._push(("error", exc))
+                    self._fail(exc)
                     return
                 except BaseException as exc:  # e.g. the source raised CancelledError itself
                     if not isinstance(exc, asyncio.CancelledError) or not self.task.cancelling():
-                        self._push(("error", exc))
+                        self._fail(exc)
                     raise
                 finally:
                     if tracer is not None:  # (the end taken before the lane is free)
@@ -420,7 +420,7 @@ class _Pipeline:
             await self._close()
         except Exception as exc:
             self._close_error = exc
-            self._push(("error", exc))  # (behind the end, unread, if stopped meanwhile)
+            self._fail(exc)  # (behind the end, unread, if stopped meanwhile)
             if self._abandoned:
                 self._report_close_error()
         else:
@@ -435,6 +435,13 @@ class _Pipeline:
             if not waiter.done():
                 waiter.set_result(None)
 
+    def _fail(self, exc: BaseException) -> None:
+        """End the iteration as failed with ``exc``, kept with the traceback it has
+        now: ``get`` raises it with that one every time (as asyncio.Future.result()
+        does), not with each raise's frames added to every earlier one's, which grew
+        without end for a consumer that reads on after the error (3 frames an anext)."""
+        self._push(("error", (exc, exc.__traceback__)))
+
     async def get(self) -> Any:
         while not self._ready:
             waiter = asyncio.get_running_loop().create_future()
@@ -446,9 +453,10 @@ class _Pipeline:
             return value
         self._ready.appendleft((kind, value))  # stay exhausted / failed
         if kind == "error":
-            if value is self._close_error:
+            error, traceback = value
+            if error is self._close_error:
                 self._close_error = None  # given to a consumer: reported
-            raise value
+            raise error.with_traceback(traceback)
         raise StopAsyncIteration
 
     def cancel(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import traceback
 
 import numpy as np
 import pytest
@@ -211,6 +212,27 @@ async def test_after_a_source_error_every_anext_raises_it_again(two):
         next(iterator)
     with pytest.raises(StopIteration):  # the generator has ended
         next(iterator)
+
+
+async def test_an_error_raised_again_keeps_one_traceback(two):
+    """Each anext that raised the source's error again added its frames to the error's
+    traceback (3 more each time), so a consumer reading on after the error (a server
+    retrying) held an ever longer one. As asyncio.Future.result() does, each raise
+    starts again from the traceback the error had when the source raised it."""
+
+    def source():
+        yield np.arange(2)
+        raise OSError("disk gone")
+
+    iterator = aiter(two.experimental_distribute_dataset(source()))
+    await anext(iterator)
+    lengths = []
+    for _ in range(5):
+        with pytest.raises(OSError) as info:
+            await anext(iterator)
+        lengths.append(len(traceback.extract_tb(info.value.__traceback__)))
+        assert traceback.extract_tb(info.value.__traceback__)[-1].name == "source"
+    assert len(set(lengths)) == 1, lengths
 
 
 @pytest.mark.parametrize(
