@@ -62,7 +62,7 @@ import dataclasses
 import enum
 import operator
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -268,7 +268,8 @@ def _check_iterable(iterable: Any, where: str) -> None:
     can start its workers. The methods are looked up on the type, as ``iter()``
     does (a class has ``__iter__`` as an attribute, yet is not iterable), and a
     ``__getitem__`` alone makes an iterable, as for ``iter()`` (the sequence
-    protocol: items 0, 1, ... until ``IndexError``)."""
+    protocol: items 0, 1, ... until ``IndexError``). A mapping is refused too: it
+    iterates its keys, so it is a batch passed where a dataset of batches belongs."""
     kind = type(iterable)
     iterable_kind = any(
         getattr(kind, method, None) is not None
@@ -276,6 +277,17 @@ def _check_iterable(iterable: Any, where: str) -> None:
     )
     # A 0-d array has __iter__ and raises when called; strings iterate characters.
     zero_d = getattr(iterable, "ndim", None) == 0
+    if isinstance(iterable, Mapping):
+        # Iterated, a mapping gives its keys, never batches: one global batch given
+        # as it is ({"x": ..., "y": ...}) was refused only at the first read, as "a
+        # rank-0 value ('x') has no batch axis".
+        keys = ", ".join(map(repr, list(iterable)[:3])) + (", ..." if len(iterable) > 3 else "")
+        raise InvalidArgumentError(
+            f"{where}: the dataset is a mapping ({type(iterable).__name__}, "
+            f"{f'keys {keys}' if keys else 'empty'}), whose "
+            "iteration gives its keys, not batches; expected an iterable of batches: for "
+            "one global batch that is a dict, pass a list of it ([batch])."
+        )
     if iterable_kind and not isinstance(iterable, str | bytes) and not zero_d:
         return
     raise InvalidArgumentError(

@@ -275,6 +275,25 @@ def test_non_iterables_and_bad_options(two):
         aiodist.InputOptions(experimental_replication_mode="each")
 
 
+def test_a_dict_given_as_the_dataset_is_refused_at_the_call(two):
+    """A dict iterates its keys: one global batch passed as it is was refused only at
+    the first read, as "a rank-0 value ('x') has no batch axis", naming neither the
+    dataset nor the remedy."""
+    batch = {"x": np.ones((4, 2)), "y": np.arange(4)}
+    with pytest.raises(
+        aiodist.InvalidArgumentError,
+        match=r"experimental_distribute_dataset: the dataset is a mapping \(dict, keys 'x', 'y'\)"
+        r", whose iteration gives its keys, not batches.*pass a list of it \(\[batch\]\)",
+    ):
+        two.experimental_distribute_dataset(batch)
+    for mode in ("per_worker", "per_replica"):
+        options = aiodist.InputOptions(experimental_replication_mode=mode)
+        with pytest.raises(aiodist.InvalidArgumentError, match=r"is a mapping \(dict"):
+            two.distribute_datasets_from_function(lambda context: batch, options)
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"\(OrderedDict, empty\)"):
+        two.experimental_distribute_dataset(collections.OrderedDict())
+
+
 def test_replication_mode_may_be_named_like_every_other_enum_option():
     options = aiodist.InputOptions(experimental_replication_mode="per_replica")
     assert options.experimental_replication_mode is aiodist.InputReplicationMode.PER_REPLICA
