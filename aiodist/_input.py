@@ -60,6 +60,7 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
+import itertools
 import operator
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -197,17 +198,16 @@ def _leaf_arrays(
     needs: str = "every leaf of a global batch must be an array whose axis 0 is the batch",
 ) -> list:
     arrays = []
-    leaves = _nest.flatten(element)
-    for leaf in leaves:
+    for index, leaf in enumerate(_nest.flatten(element)):
         array = leaf if hasattr(leaf, "shape") and hasattr(leaf, "dtype") else np.asarray(leaf)
         if array.ndim == 0:
-            # Rows written as Python lists ([[1.0, 2.0], ...]) nest: each number is a
-            # leaf of its own, and the message named the first one only.
+            # Rows written as Python lists ([[1.0, 2.0], ...], or {"x": [1, 2, 3]} as
+            # JSON gives) nest: each number is a leaf of its own, and the message
+            # named the first one only.
             rows = (
                 " (a list or tuple is a structure here, each item a leaf of its own, not "
                 "rows of an array: make each leaf an array first, with np.asarray)"
-                if isinstance(element, list | tuple)
-                and not any(hasattr(other, "shape") for other in leaves)
+                if _in_a_list_of_scalars(element, index)
                 else ""
             )
             raise InvalidArgumentError(
@@ -215,6 +215,28 @@ def _leaf_arrays(
             )
         arrays.append(array)
     return arrays
+
+
+def _in_a_list_of_scalars(element: object, index: int) -> bool:
+    """Whether leaf ``index`` (in ``flatten`` order) of ``element`` is an item of a
+    list or tuple holding only leaves without a shape (numbers): a row or a batch
+    written as a Python list, rather than one bad leaf beside arrays."""
+    if not _nest.is_nested(element):
+        return False
+    _, container = next(itertools.islice(_leaves_with_containers(element), index, None))
+    return isinstance(container, list | tuple) and not any(
+        _nest.is_nested(item) or hasattr(item, "shape") for item in container
+    )
+
+
+def _leaves_with_containers(node: list | tuple | dict) -> Iterator[tuple[object, object]]:
+    """(leaf, the list, tuple or dict holding it) for each leaf of ``node``, in
+    ``flatten`` order."""
+    for child in _nest.children(node):
+        if _nest.is_nested(child):
+            yield from _leaves_with_containers(child)
+        else:
+            yield child, node
 
 
 def _local_shards(strategy: Any, element: object) -> list:

@@ -244,6 +244,10 @@ async def test_an_error_raised_again_keeps_one_traceback(two):
         # Rows as Python lists nest, a leaf per number: the message named 1.0 only.
         ([[1.0, 2.0], [3.0, 4.0]], r"\(1.0\) has no batch axis \(a list or tuple is a struc.*"),
         ((np.ones((2, 2)), 1.0), r"\(1.0\) has no batch axis; every leaf"),  # one bad leaf
+        # ... in a dict (as JSON gives), beside an array too: the hint was left out.
+        ({"x": [1, 2, 3]}, r"\(1\) has no batch axis \(a list or tuple is a structure"),
+        ({"x": np.ones(3), "y": [1, 2, 3]}, r"\(1\) has no batch axis \(a list or tuple is a"),
+        ({"w": 0.5, "x": np.ones(2)}, r"\(0.5\) has no batch axis; every leaf"),
     ],
 )
 async def test_bad_elements(two, element, message):
