@@ -61,6 +61,13 @@ class DistributedValues:
                 f"values, got {values!r}."
             )
         self._values = tuple(values)
+        if isinstance(devices, str | Device):
+            # Iterated, a string gave its characters: "1 values but 5 devices", or
+            # "device string 'c' is not understood".
+            raise InvalidArgumentError(
+                f"{type(self).__name__}: devices={str(devices)!r} is a single device; "
+                f"expected a list of one device per value, e.g. {[str(devices)]!r}."
+            )
         if devices is not None:
             devices = tuple(devices)
             if len(devices) != len(self._values):

@@ -520,6 +520,20 @@ def test_distributed_values_construction_errors():
         aiodist.PerReplica([1, 2], devices=["cpu:0", "tpu:1"])
 
 
+@pytest.mark.parametrize("device", ["cpu:0", aiodist.Device("CPU", 0)])
+@pytest.mark.parametrize("count", [1, 5])
+def test_distributed_values_refuse_one_device_given_alone(device, count):
+    """A device string given alone was iterated for its characters: "1 values but
+    5 devices" for one value, "device string 'c' is not understood" for five (and a
+    Device alone, "'Device' object is not iterable")."""
+    with pytest.raises(
+        aiodist.InvalidArgumentError,
+        match=r"PerReplica: devices='(cpu:0|/device:CPU:0)' is a single device; expected a "
+        r"list of one device per value, e.g. \['(cpu:0|/device:CPU:0)'\]",
+    ):
+        aiodist.PerReplica([np.ones(1)] * count, device)
+
+
 async def test_distributed_values_made_with_device_strings(two):
     """PerReplica/Mirrored given device strings hold them canonically (SPEC §1), and
     serve as values and destinations of reduce_to like a strategy's own."""
