@@ -40,7 +40,7 @@ that catches the error and reads on, or a second consumer of the iterator,
 cannot take a failed input for a complete one. (TF's ``DistributedIterator``
 documents nothing after an error.) A plain ``for`` reads the source on demand:
 after an error it gets whatever the source gives next (a generator that raised
-has ended: ``StopIteration``).
+has ended: ``StopIteration``); once the source has run out, it is closed too.
 
 On GPUs each shard is copied on its replica's stream, after that stream waits
 for the device's current stream (where the source may make its arrays), and the
@@ -342,6 +342,10 @@ class _Source:
     def is_async(self) -> bool:
         return self._async is not None
 
+    def sync_iterators(self) -> list[Iterator]:
+        """The sync iterator read (a plain ``for`` reads no other), to close."""
+        return [] if self._sync is None else [self._sync]
+
     async def next(self) -> tuple[bool, Any]:
         """(True, element), or (False, None) when exhausted."""
         try:
@@ -625,7 +629,16 @@ class DistributedIterator:
                     "with `async for`, not a plain `for`."
                 )
             self._sync_source = source
-        return self._dataset._next_sync(self._sync_source)
+        try:
+            return self._dataset._next_sync(self._sync_source)
+        except StopIteration:
+            # Run out: the pass is over, and its sources are closed, as at the end of
+            # an `async for` (a reader holding a file or a loader's workers was left
+            # open until collected, if it ever was).
+            self._closed = True
+            source, self._sync_source = self._sync_source, None
+            _close_iterators(source.sync_iterators())
+            raise
 
 
 class DistributedDataset:
@@ -838,6 +851,10 @@ class _Sources:
         shards = [s if s is not None else _empty_like(template) for s in shards]
         shards += [_empty_like(template)] * (num_replicas - len(shards))
         return True, shards
+
+    def sync_iterators(self) -> list[Iterator]:
+        """The sync iterators of the replicas' sources opened so far, to close."""
+        return [iterator for source in self._sources or [] for iterator in source.sync_iterators()]
 
     async def aclose(self) -> None:
         """Close every replica's source opened so far (each once), also when

@@ -479,6 +479,43 @@ async def test_sources_opened_for_replicas_are_closed_when_another_cannot_open(t
     assert not _producers()
 
 
+class _ShortReader(_Reader):
+    """A ``_Reader`` of ``1 + replica`` batches."""
+
+    def __init__(self, replica, log):
+        super().__init__(replica, log)
+        self.left = 1 + replica
+
+    def __next__(self):
+        if not self.left:
+            raise StopIteration
+        self.left -= 1
+        return super().__next__()
+
+
+@pytest.mark.parametrize("mode", [None, "PER_WORKER", "PER_REPLICA"])
+def test_a_plain_for_closes_its_sources_once_they_have_run_out(two, mode):
+    """An ``async for`` closes its sources when they run out; a plain ``for`` left
+    them open (a reader holding a file or a loader's workers), and the iterator
+    then stayed open, asking the spent sources again on every ``next``."""
+    log = []
+    if mode is None:
+        dataset = two.experimental_distribute_dataset(_ShortReader(0, log))
+    else:
+        options = aiodist.InputOptions(experimental_replication_mode=mode)
+        dataset = two.distribute_datasets_from_function(
+            lambda context: _ShortReader(context.input_pipeline_id, log), options
+        )
+    iterator = iter(dataset)
+    batches = list(iterator)
+    assert len(batches) == {None: 1, "PER_WORKER": 1, "PER_REPLICA": 2}[mode]
+    opened = [entry for entry in log if entry[0] == "open"]
+    assert sorted(log) == sorted(opened + [("close", r) for _, r in opened])
+    with pytest.raises(StopIteration):
+        next(iterator)
+    assert len(log) == 2 * len(opened)  # closed once
+
+
 class _FailsToCloseReader(_Reader):
     def close(self):
         super().close()
