@@ -697,12 +697,24 @@ class MirroredVariable(Variable):
         """The replicas' values (arrays of ``xp``; the first is replica ``first_id``'s) each
         with the variable's shape, broadcast as a write would (a scalar is added to
         every element), so that a replica's value of another shape is named here
-        rather than failing inside the reduction with NumPy's words only."""
-        shape = self.shape
-        if all(part.shape == shape for part in parts):  # the usual case: no copy
-            return parts
+        rather than failing inside the reduction with NumPy's words only.
+
+        A value of a narrower dtype, one that casts to the variable's without loss
+        (int8 or bool for an int64 variable, float16 for a float32 one), is widened
+        to the variable's dtype first: aggregated in its own, two replicas' int8 100
+        summed to -56 and float16 60000 to inf, where a write of the same values in
+        cross-replica context adds them in (at least) the variable's dtype. Values of
+        wider dtypes are aggregated as they are, and their write casts the result."""
+        shape, dtype = self.shape, self.dtype
+        if all(part.shape == shape and part.dtype == dtype for part in parts):
+            return parts  # the usual case: no copy
         shaped = []
         for part in parts:
+            if part.dtype != dtype and np.can_cast(part.dtype, dtype, "safe"):
+                part = part.astype(dtype)
+            if part.shape == shape:
+                shaped.append(part)
+                continue
             try:
                 shaped.append(xp.broadcast_to(part, shape))
             except ValueError:
@@ -743,7 +755,8 @@ class MirroredVariable(Variable):
         else:
             target, backend = _HOST, backend_for(_HOST)
             arrays = [np.asarray(host_array(p)) for p in parts]
-        arrays = self._shaped(kind, arrays, xp=backend.xp)
+        with backend.on_device(target):  # (a widening astype is a kernel on GPUs)
+            arrays = self._shaped(kind, arrays, xp=backend.xp)
         if self._exact_mean_of(arrays):
             n = len(arrays)
             with backend.on_device(target):  # (CuPy computes on the current device)

@@ -390,6 +390,33 @@ async def test_replica_values_of_other_shapes_are_named(three, aggregation):
     np.testing.assert_array_equal(copies(three, v), [[expected, expected]] * 3)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "value", "aggregation", "expected"),
+    [
+        (np.int64, np.int8(100), "sum", 200),  # int8: 100 + 100 wrapped to -56
+        (np.int32, np.uint8(200), "sum", 400),  # uint8: 144
+        (np.int32, np.True_, "sum", 2),  # bool: True + True is True, 1
+        (np.float32, np.float16(60000), "sum", 120000),  # float16: inf
+        (np.float32, np.float16(60000), "mean", 60000),  # float16: inf / 2
+        (np.int16, np.int8(-100), "mean", -100),
+    ],
+)
+async def test_replica_values_of_narrower_dtypes_aggregate_in_the_variables(
+    two, dtype, value, aggregation, expected
+):
+    # As a write of the same values in cross-replica context adds them: in the
+    # variable's dtype, not in the values' own, where they wrapped or overflowed.
+    with two.scope():
+        v = aiodist.Variable(dtype(0), aggregation=aggregation)
+
+    async def step():
+        await v.assign_add(value)
+
+    await two.run(step)
+    for copy in copies(two, v):
+        assert copy.dtype == dtype and copy == expected
+
+
 # -- extended.update and the TF docstring examples -------------------------------------
 
 
