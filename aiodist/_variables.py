@@ -112,10 +112,9 @@ def _update_value(kind: str, old: Any, value: Any, where: str) -> Any:
 
 def _new_value(xp: Any, kind: str, old: Any, value: Any, where: str) -> Any:
     value = xp.asarray(value)
-    if kind == "assign_add":
-        value = xp.asarray(old + value)  # ufuncs give scalars for 0-d arrays
-    elif kind == "assign_sub":
-        value = xp.asarray(old - value)
+    # The shape first, for every kind: old + value of shapes that do not broadcast
+    # raised NumPy's "operands could not be broadcast together", naming neither the
+    # variable nor the write.
     if value.shape != old.shape:
         try:
             value = xp.broadcast_to(value, old.shape)
@@ -125,6 +124,10 @@ def _new_value(xp: Any, kind: str, old: Any, value: Any, where: str) -> Any:
                 f"variable of shape {tuple(old.shape)}; expected that shape or one that "
                 "broadcasts to it."
             ) from None
+    if kind == "assign_add":
+        value = xp.asarray(old + value)  # ufuncs give scalars for 0-d arrays
+    elif kind == "assign_sub":
+        value = xp.asarray(old - value)
     if not np.can_cast(value.dtype, old.dtype, casting="same_kind"):
         raise InvalidArgumentError(
             f"{where}: a value of dtype {value.dtype} cannot be written to a variable of "

@@ -131,6 +131,30 @@ async def test_cross_replica_writes_every_copy(strategy):
         np.testing.assert_array_equal(copy, [4, 5])  # failed writes change nothing
 
 
+@pytest.mark.parametrize("kind", ["assign", "assign_add", "assign_sub"])
+async def test_writes_of_values_of_another_shape_name_the_variable(two, kind):
+    # assign_add and assign_sub too: they raised NumPy's "operands could not be
+    # broadcast together", naming neither the variable nor the write.
+    with two.scope():
+        mirrored = aiodist.Variable(np.zeros(2), name="weights")
+        on_read = aiodist.Variable(np.zeros(2), synchronization="on_read", name="counts")
+    shape = r"a value of shape \(3,\) cannot be written to a variable of shape \(2,\)"
+    with pytest.raises(aiodist.InvalidArgumentError, match=rf"weights\.{kind}: {shape}"):
+        await getattr(mirrored, kind)(np.ones(3))
+    with pytest.raises(
+        aiodist.InvalidArgumentError, match=rf"counts\.{kind} \(copy on .*\): {shape}"
+    ):
+        await two.run(lambda: getattr(on_read, kind)(np.ones(3)))
+    with pytest.raises(
+        aiodist.InvalidArgumentError, match=rf"weights\.{kind} \(copy on .*\): {shape}"
+    ):
+        await two.extended.update(mirrored, lambda copy: getattr(copy, kind)(np.ones(3)))
+    for variable in (mirrored, on_read):
+        np.testing.assert_array_equal(copies(two, variable), np.zeros((2, 2)))  # unchanged
+    await mirrored.assign_add(np.ones((1,)))  # shapes that broadcast still write
+    np.testing.assert_array_equal(copies(two, mirrored), np.ones((2, 2)))
+
+
 @pytest.mark.parametrize("value", [None, "text", [1.0, [2.0]]], ids=["None", "str", "ragged"])
 async def test_writes_of_values_that_are_not_numbers_name_them(two, value):
     """A write of None, a string or a ragged list raised NumPy's or Python's own words
