@@ -25,7 +25,8 @@ each copy its own component).
 
 Operators (``v + 1``, ``v < x``, ``v == x``, ...) act on the value read,
 element-wise, as TF's do; so variables are unhashable, and ``v.ref()`` is what
-to use as a dict key.
+to use as a dict key. Iteration and ``x in v`` go over one read of the value,
+as over that array (a 0-d value cannot be iterated).
 
 Copies are immutable arrays: an update replaces them, so a value read earlier
 never changes under the reader, and an update is applied between two awaits,
@@ -39,7 +40,7 @@ from __future__ import annotations
 import enum
 import operator
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -493,6 +494,16 @@ class Variable:
 
     def __getitem__(self, index: Any) -> Any:
         return self.read_value()[index]
+
+    # Iteration and ``in`` over one read, as for the array read. Without them Python
+    # fell back to __getitem__(0), (1), ... until IndexError: a 0-d variable iterated
+    # as empty (``list(v)`` was [], ``x in v`` False) where NumPy and TF raise
+    # TypeError, and a sync-on-read one aggregated its copies once per element.
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.read_value())
+
+    def __contains__(self, item: Any) -> bool:
+        return item in self.read_value()
 
     def __bool__(self) -> bool:
         return bool(self.read_value())  # NumPy's rule: only a one-element value has a truth

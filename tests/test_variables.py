@@ -257,6 +257,25 @@ async def test_operators_act_element_wise_on_the_value_as_in_tf(two):
     ]
 
 
+async def test_iteration_and_in_act_on_one_read_as_for_the_array(two):
+    with two.scope():
+        scalar = aiodist.Variable(3.0)
+        vector = aiodist.Variable([1.0, 1.0])
+        on_read = aiodist.Variable(np.ones(1000), synchronization="on_read", aggregation="sum")
+    # A 0-d value cannot be iterated (NumPy's and TF's rule); it iterated as empty.
+    with pytest.raises(TypeError, match="0-d"):
+        list(scalar)
+    assert 3.0 in scalar and 4.0 not in scalar  # (was False: the empty iteration)
+    assert list(vector) == [1.0, 1.0] and 1.0 in vector and 3.0 not in vector
+    # One read for the whole iteration (a sync-on-read variable's: one aggregation
+    # of its copies, not one per element), so a write meanwhile changes nothing.
+    for variable in (vector, on_read):
+        elements = iter(variable)
+        first = next(elements)
+        await variable.assign(np.zeros(variable.shape))
+        assert [first, *elements] == [first] * variable.shape[0] and first != 0
+
+
 async def test_reads_are_snapshots(two):
     with two.scope():
         v = aiodist.Variable([1.0])
