@@ -874,16 +874,17 @@ class SyncOnReadVariable(Variable):
         if self._aggregation is not VariableAggregation.SUM:
             self._write_every_copy("assign", value)
             return
-        self._assign_to_first_copy(value)
+        self._assign_to_first_copy(value, f"{self._name}.restore")
 
-    def _assign_to_first_copy(self, value: Any) -> None:
+    def _assign_to_first_copy(self, value: Any, where: str) -> None:
         """Exact for every dtype: the first copy (global replica 0's) holds the value,
-        the others zero, so the SUM read gives back exactly ``value``."""
+        the others zero, so the SUM read gives back exactly ``value``. ``where``
+        names the write in errors (a restore, or the user's assign)."""
         value = np.asarray(host_array(value))
         world = self._strategy._world
         first = 0 if world is None or world.rank == 0 else None  # this worker's index of it
         parts = [value if i == first else np.zeros_like(value) for i in range(len(self._devices))]
-        self._write_copies("assign", parts, f"{self._name}.restore")
+        self._write_copies("assign", parts, where)
 
     async def _write(self, kind: str, value: Any) -> Variable:
         index = self._replica_index()
@@ -901,7 +902,7 @@ class SyncOnReadVariable(Variable):
             if self.dtype.kind not in "fc":
                 # TF divides by the replica count, which integers cannot hold exactly:
                 # put the whole value on the first copy instead (the SUM is the same).
-                self._assign_to_first_copy(parts[0])
+                self._assign_to_first_copy(parts[0], f"{self._name}.assign")
                 return self
             n = self._strategy.num_replicas_in_sync  # every worker's copies
             parts = [np.asarray(part) / n for part in parts]  # TF's rule: the SUM read gives it

@@ -754,6 +754,10 @@ async def test_int_sync_on_read_variables_round_trip_and_assign(strategy, num_re
         )
     await count.assign(7)  # cross-replica, SUM, integers: exact
     assert int(count.read_value()) == 7
+    # A value it refuses is named as the assign it is (it said "count.restore").
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"^count\.assign: a value of dtype"):
+        await count.assign(1.5)
+    assert int(count.read_value()) == 7
     await hits.assign(np.array([2, 4, 6]))
     path = await aiodist.save_variables(tmp_path / "h.npz", [hits, count])
     await hits.assign(np.zeros(3, dtype=np.int64))
