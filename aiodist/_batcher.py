@@ -71,6 +71,28 @@ class _Request:
         self.taken = False  # left the queue (batched, or dropped); its rows are uncounted
 
 
+def _as_rows(rows: Any, name: str) -> np.ndarray:
+    """``rows`` as one 2-D array of at least one row: a request's rows, or the
+    warm-up's. ``name`` says whose, in the message (``"submit: rows"``)."""
+    try:
+        array = np.asarray(rows)
+    except (TypeError, ValueError) as exc:  # rows of different lengths: NumPy's words only
+        raise InvalidArgumentError(
+            f"{name}={short_repr(rows)} is not one array ({exc}); expected a 2-D "
+            "array with at least one row, every row of one length."
+        ) from None
+    if array.ndim == 0:  # not rows at all (aiohttp's on_startup passes its app): name it
+        raise InvalidArgumentError(
+            f"{name}={short_repr(rows)} is not an array of rows; expected a 2-D array "
+            "with at least one row."
+        )
+    if array.ndim != 2 or len(array) == 0:
+        raise InvalidArgumentError(
+            f"{name} of shape {array.shape}; expected a 2-D array with at least one row."
+        )
+    return array
+
+
 def _fail(requests: Any, exc: BaseException) -> None:
     """Answer every request still waiting with ``exc`` (one object for all)."""
     for request in requests:
@@ -189,7 +211,10 @@ class Batcher:
         made while another is warming up waits for it; one made while ``stop()`` is
         draining waits for the stop to end, then starts. A batcher left serving on an
         event loop that has since closed (a test that never called ``stop()``) starts
-        afresh on this one."""
+        afresh on this one. ``warmup_rows`` are rows as a request's (a 2-D array with at
+        least one row); anything else raises ``InvalidArgumentError`` at once."""
+        if warmup_rows is not None:
+            warmup_rows = _as_rows(warmup_rows, "start: warmup_rows")
         self._forget_a_closed_loop()
         while self._stopping is not None:  # (another start may have waited too)
             await asyncio.shield(self._stopping)
@@ -248,7 +273,7 @@ class Batcher:
 
     async def _start(self, warmup_rows: np.ndarray | None) -> None:
         if warmup_rows is not None:
-            await self._run_batch(np.asarray(warmup_rows))
+            await self._run_batch(warmup_rows)
         if self._stop_requested:  # stop() ran during the warm-up: it wins
             return
         self._wakeup = asyncio.Event()
@@ -323,17 +348,7 @@ class Batcher:
                 "the batcher was started on another event loop; call `await batcher.start()` "
                 "on this one (after stop() on the other, if it is still running)."
             )
-        try:
-            rows = np.asarray(rows)
-        except (TypeError, ValueError) as exc:  # rows of different lengths: NumPy's words only
-            raise InvalidArgumentError(
-                f"submit: rows={short_repr(rows)} is not one array ({exc}); expected a 2-D "
-                "array with at least one row, every row of one length."
-            ) from None
-        if rows.ndim != 2 or len(rows) == 0:
-            raise InvalidArgumentError(
-                f"submit: rows of shape {rows.shape}; expected a 2-D array with at least one row."
-            )
+        rows = _as_rows(rows, "submit: rows")
         if len(rows) > self.max_batch_size:
             raise InvalidArgumentError(
                 f"submit: a request of {len(rows)} rows is larger than one batch "

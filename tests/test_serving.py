@@ -868,6 +868,27 @@ async def test_rows_of_different_lengths_are_invalid_naming_them(two):
     await batcher.stop()
 
 
+async def test_bad_warm_up_rows_are_invalid_like_a_requests(two):
+    """start() ran the warm-up without checking it: no rows failed in NumPy ("need at
+    least one array to concatenate"), ragged rows with NumPy's words, and a scalar
+    (aiohttp's on_startup passes the app) was blamed on experimental_distribute_dataset."""
+    batcher = Batcher(two, linear)
+    for bad, message in (
+        (np.zeros((0, 4)), r"start: warmup_rows of shape \(0, 4\); expected a 2-D array"),
+        (np.zeros(4), r"start: warmup_rows of shape \(4,\); expected a 2-D array"),
+        (5, r"start: warmup_rows=5 is not an array of rows; expected a 2-D array"),
+        ({"app": 1}, r"start: warmup_rows=\{'app': 1\} is not an array of rows"),
+        ([[1.0, 2.0], [3.0]], r"start: warmup_rows=\[\[1.0, 2.0\], \[3.0\]\] is not one array"),
+    ):
+        with pytest.raises(aiodist.InvalidArgumentError, match=message):
+            await batcher.start(bad)
+        with pytest.raises(NotServing):  # refused before anything started
+            await batcher.submit(np.ones((1, 4)))
+    await batcher.start(np.zeros((1, 4)))
+    np.testing.assert_array_equal(await batcher.submit(np.ones((1, 4))), np.ones((1, 4)) @ W)
+    await batcher.stop()
+
+
 async def test_a_batcher_left_serving_on_a_closed_loop_serves_on_this_one(two):
     # A test that never reached stop(): the next test's loop must not hang in submit.
     batcher = Batcher(two, linear)
