@@ -93,6 +93,15 @@ def _as_rows(rows: Any, name: str) -> np.ndarray:
     return array
 
 
+def _not_rows(value: Any) -> str:
+    """A step's output that has no rows, in words for a message."""
+    if value is None:  # (the step's last line computed, but did not return)
+        return "None (is its `return` missing?)"
+    if hasattr(value, "ndim"):  # a 0-d array, or a NumPy or CuPy scalar
+        return f"a value of shape {np.shape(value)}"
+    return f"a {type(value).__name__}, not an array"
+
+
 def _fail(requests: Any, exc: BaseException) -> None:
     """Answer every request still waiting with ``exc`` (one object for all)."""
     for request in requests:
@@ -520,11 +529,11 @@ class Batcher:
         for replica, (part, shard) in enumerate(zip(parts, shards, strict=True)):
             got = len(part) if getattr(part, "ndim", 0) >= 1 else None
             if got != len(shard):
-                shown = (
-                    f"{got} row{'' if got == 1 else 's'}"
-                    if got is not None
-                    else f"a value of shape {np.shape(part)}"
-                )
+                if got is not None:
+                    shown = f"{got} row{'' if got == 1 else 's'}"
+                else:  # what the step gave, not its host copy (np.asarray(None) has ndim 0)
+                    given = strategy.experimental_local_results(result)
+                    shown = _not_rows(given[replica] if len(given) > 1 else given[0])
                 raise InvalidArgumentError(
                     f"the step returned {shown} on replica {replica} for its {len(shard)} "
                     "input rows; it must return one output row per input row."

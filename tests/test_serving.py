@@ -305,6 +305,26 @@ async def test_each_replicas_row_count_is_checked_not_only_the_total(two):
     await batcher.stop()
 
 
+async def test_a_step_returning_no_array_is_named_not_shape_0(two):
+    # A step whose `return` was missing gave "the step returned a value of shape ()",
+    # as did one returning a string or a Python float.
+    async def forgot(rows):
+        rows * 2
+
+    batcher = Batcher(two, forgot, max_wait_seconds=0.05)
+    await batcher.start()
+    await _every_caller_fails(batcher, "the step returned None (is its `return` missing?) on")
+    for value, shown in (("out", "a str, not an array"), (1.5, "a float, not an array")):
+
+        async def constant(rows, value=value):
+            return value
+
+        batcher.step_fn = constant
+        with pytest.raises(aiodist.InvalidArgumentError, match=rf"returned {shown} on replica 0"):
+            await batcher.submit(np.ones((2, 1)))
+    await batcher.stop()
+
+
 async def test_a_step_returning_several_outputs_is_refused_not_mixed_up(two):
     # (outputs, scores): NumPy stacked the tuple into an array whose axis 0 was the two
     # outputs; with two rows per replica the row counts agreed, and each caller got
