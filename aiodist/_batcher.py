@@ -540,4 +540,24 @@ class Batcher:
                 )
         # (Replicas given no rows, when the batch has fewer rows than replicas, add
         # none: their empty outputs left out, whatever shape the step gives them.)
-        return np.concatenate([p for p, shard in zip(parts, shards, strict=True) if len(shard)])
+        joined = [p for p, shard in zip(parts, shards, strict=True) if len(shard)]
+        try:
+            return np.concatenate(joined)
+        except ValueError:  # (diagnosed only when joining failed: no cost to the rest)
+            shapes: dict[tuple, list[int]] = {}
+            for replica, (part, shard) in enumerate(zip(parts, shards, strict=True)):
+                if len(shard):
+                    shapes.setdefault(part.shape[1:], []).append(replica)
+            if len(shapes) == 1:
+                raise
+        # Rows padded to the longest in each replica's share, for example: one caller's
+        # rows could not be joined with another's.
+        shown = "; ".join(
+            f"rows of shape {shape} on replica{'s' if len(rs) > 1 else ''} "
+            f"{', '.join(map(str, rs))}"
+            for shape, rs in shapes.items()
+        )
+        raise InvalidArgumentError(
+            f"the step returned {shown}; every replica must return rows of one shape "
+            "(pad outputs to a fixed width, not to the longest in the replica's rows)."
+        )

@@ -325,6 +325,25 @@ async def test_a_step_returning_no_array_is_named_not_shape_0(two):
     await batcher.stop()
 
 
+async def test_replicas_returning_rows_of_different_shapes_are_named():
+    # Outputs padded to the longest of each replica's share: NumPy's "all the input
+    # array dimensions except for the concatenation axis must match exactly" reached
+    # every caller, naming neither the step nor a replica.
+    async def padded(rows):
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        return np.zeros((len(rows), 2 + (rid == 1)))
+
+    batcher = Batcher(aiodist.MirroredStrategy(cpu_devices(4)), padded, max_wait_seconds=0.05)
+    await batcher.start()
+    await _every_caller_fails(
+        batcher,
+        "the step returned rows of shape (2,) on replicas 0, 2, 3; rows of shape (3,) on "
+        "replica 1; every replica must return rows of one shape",
+    )
+    np.testing.assert_array_equal(await batcher.submit(np.ones((1, 1))), np.zeros((1, 2)))
+    await batcher.stop()
+
+
 async def test_a_step_returning_several_outputs_is_refused_not_mixed_up(two):
     # (outputs, scores): NumPy stacked the tuple into an array whose axis 0 was the two
     # outputs; with two rows per replica the row counts agreed, and each caller got
