@@ -102,6 +102,22 @@ def _not_rows(value: Any) -> str:
     return f"a {type(value).__name__}, not an array"
 
 
+def _note_empty_shares(exc: BaseException, rows: int, replicas: int, row_shape: tuple) -> None:
+    """Add a note to ``exc``, raised by the step for a batch of fewer ``rows`` than
+    ``replicas``: the last replicas ran it on no rows, which a step written for
+    "a batch" may not expect (np.stack of no rows raises, for one), and which only
+    happens when traffic is light, so the failure looks random."""
+    idle = list(range(rows, replicas))
+    note = (
+        f"aiodist Batcher: this batch had {rows} row{'' if rows == 1 else 's'} for "
+        f"{replicas} replicas, so replica{'s' if len(idle) > 1 else ''} "
+        f"{', '.join(map(str, idle))} ran the step on no rows (shape {(0, *row_shape)}); "
+        "if it fails there, make it return no rows for them (e.g. np.empty((0, width)))."
+    )
+    if note not in getattr(exc, "__notes__", ()):  # (a step that raises one object twice)
+        exc.add_note(note)
+
+
 def _fail(requests: Any, exc: BaseException) -> None:
     """Answer every request still waiting with ``exc`` (one object for all)."""
     for request in requests:
@@ -157,7 +173,9 @@ class Batcher:
         strategy: the strategy whose replicas run the step.
         step_fn: ``async def step_fn(rows)`` run once per replica on that
             replica's share of the batch rows; returns one array with one row
-            per input row (not a tuple, list or dict of outputs).
+            per input row (not a tuple, list or dict of outputs). A batch of
+            fewer rows than replicas gives the last replicas no rows (shape
+            ``(0, width)``): the step runs there too and returns no rows.
         max_batch_size: most rows in one batch.
         max_wait_seconds: how long the first request of a batch may wait for
             company.
@@ -508,7 +526,12 @@ class Batcher:
             slot.backend.asarray(s, slot.device) for slot, s in zip(slots, shards, strict=True)
         ]
         inputs = regroup(placed, strategy._devices)
-        result = await self.strategy.run(self.step_fn, args=(inputs,))
+        try:
+            result = await self.strategy.run(self.step_fn, args=(inputs,))
+        except Exception as exc:
+            if len(rows) < len(slots) and not isinstance(exc, AiodistError):
+                _note_empty_shares(exc, len(rows), len(slots), rows.shape[1:])
+            raise
         if _nest.is_nested(result):
             # NumPy would stack a tuple of outputs (or a list of them) into one array
             # whose axis 0 is the outputs, not the rows: callers would get each

@@ -864,6 +864,26 @@ async def test_fewer_rows_than_replicas_with_a_step_that_changes_rank_on_no_rows
     await batcher.stop()
 
 
+async def test_a_step_failing_on_no_rows_says_that_replicas_had_none(two):
+    # A one-row request on two replicas gives replica 1 no rows; a step that stacks
+    # its rows then raised NumPy's bare "need at least one array to stack", only at
+    # light traffic, with nothing saying that a replica had been given no rows.
+    async def stacked(rows):
+        return np.stack([row * 2 for row in rows])
+
+    batcher = Batcher(two, stacked, max_wait_seconds=0)
+    await batcher.start()
+    np.testing.assert_array_equal(await batcher.submit(np.ones((2, 3))), np.full((2, 3), 2.0))
+    with pytest.raises(ValueError, match="need at least one array to stack") as raised:
+        await batcher.submit(np.ones((1, 3)))
+    assert raised.value.__notes__ == [
+        "aiodist Batcher: this batch had 1 row for 2 replicas, so replica 1 ran the step on "
+        "no rows (shape (0, 3)); if it fails there, make it return no rows for them (e.g. "
+        "np.empty((0, width)))."
+    ]
+    await batcher.stop()
+
+
 def test_latency_percentiles_are_nearest_rank():
     stats = BatcherStats(10, 1, 10, 0, 0, [i / 1000 for i in range(10, 0, -1)])
     assert stats.latency_seconds == {"p50": 0.005, "p90": 0.009, "p99": 0.010}
