@@ -491,6 +491,12 @@ class Batcher:
         batch must not release)."""
         self._running.discard(task)
         slots.release()
+        if not task.cancelled() and task.exception() is not None:
+            # The step raised a BaseException that is no Exception (pytest.fail's, a
+            # custom abort), which _serve lets through: its callers get it all the same.
+            self._failed += 1
+            _fail(batch, task.exception())
+            return
         stopped = "the batcher stopped before this request's batch finished; retry elsewhere."
         _fail(batch, NotServing(stopped))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import importlib.util
 import json
 import logging
@@ -97,6 +98,49 @@ async def test_batch_failure_reaches_every_caller_and_serving_goes_on(two):
     np.testing.assert_array_equal(await batcher.submit(np.ones((1, 2))), np.ones((1, 2)))
     assert batcher.stats().failed == 1
     await batcher.stop()
+
+
+class _Abort(BaseException):
+    """Raised by a step: a BaseException that is no Exception (as pytest.fail's is)."""
+
+
+@contextlib.contextmanager
+def _unhandled_loop_errors():
+    """What the running loop's exception handler is given inside the block."""
+    unhandled: list[dict] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _, context: unhandled.append(context))
+    try:
+        yield unhandled
+    finally:
+        loop.set_exception_handler(None)
+
+
+async def test_a_step_raising_a_base_exception_reaches_its_callers(two):
+    # Its callers got NotServing("the batcher stopped before this request's batch
+    # finished") from a batcher that had not stopped, and asyncio logged "Task
+    # exception was never retrieved" for the batch's task.
+    async def aborting(rows):
+        if (rows < 0).any():
+            raise _Abort("stop here")
+        return rows
+
+    batcher = Batcher(two, aborting, max_batch_size=8, max_wait_seconds=0.05)
+    with _unhandled_loop_errors() as unhandled:
+        await batcher.start()
+        results = await asyncio.gather(
+            *(batcher.submit(np.full((1, 1), float(i))) for i in (1, -1, 2)),
+            return_exceptions=True,
+        )
+        kinds = [type(r).__name__ for r in results]
+        one_object = len({id(r) for r in results}) == 1  # (the one exception, to every caller)
+        del results
+        np.testing.assert_array_equal(await batcher.submit(np.ones((1, 1))), np.ones((1, 1)))
+        await batcher.stop()
+        gc.collect()
+    assert kinds == ["_Abort"] * 3 and one_object
+    assert batcher.stats().failed == 1
+    assert not unhandled, unhandled
 
 
 async def _full_queue(strategy, max_batch_size: int, running_rows: int, queued_rows: list):
