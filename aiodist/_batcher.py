@@ -19,9 +19,11 @@ A ``Batcher`` turns many concurrent single requests into few batches:
   batcher goes on serving;
 - ``start()`` warms up (devices, a first run) and starts the batching task;
   ``stop(deadline)`` stops admitting, lets queued and running batches finish
-  within ``deadline`` seconds, then cancels what is left. ``lifespan()`` wraps
-  both for an ASGI lifespan (Starlette's ``lifespan=``); aiohttp can call
-  ``start``/``stop`` from ``on_startup``/``on_cleanup``;
+  within ``deadline`` seconds, then cancels what is left (a batching task
+  cancelled by anything else stops admitting too, and answers its queued
+  callers). ``lifespan()`` wraps both for an ASGI lifespan (Starlette's
+  ``lifespan=``); aiohttp can call ``start``/``stop`` from
+  ``on_startup``/``on_cleanup``;
 - like a strategy, a batcher may outlive its event loop: one left serving on a
   loop that has closed starts afresh on the next loop's ``start()``. ``submit``
   on another loop raises ``NotServing``, and so does ``start()`` while the first
@@ -246,7 +248,9 @@ class Batcher:
         while self._stopping is not None:  # (another start may have waited too)
             await asyncio.shield(self._stopping)
         if self._loop_task is not None:
-            return
+            if not self._loop_task.done():
+                return
+            self._loop_task = None  # ended without stop() (see _batching_ended): start anew
         if self._starting is not None:  # another start() is warming up: wait for it
             await asyncio.shield(self._starting)
             if self._loop_task is None:
@@ -309,6 +313,24 @@ class Batcher:
         self._loop_task = asyncio.get_running_loop().create_task(
             self._batching(), name="aiodist-batcher"
         )
+        self._loop_task.add_done_callback(self._batching_ended)
+
+    def _batching_ended(self, task: asyncio.Task) -> None:
+        """The batching task ended. ``stop()`` ends it after it stops admitting; if it
+        ends while the batcher still admits (cancelled by code that cancels every
+        task, such as ``asyncio.run`` closing its loop), nobody would ever batch the
+        queued requests: stop admitting, and answer them ``NotServing``. (Batches
+        already running finish on their own.)"""
+        if task is not self._loop_task or not self._accepting:
+            return
+        self._accepting = False
+        why = "was cancelled" if task.cancelled() else f"failed ({task.exception()!r})"
+        self._drop_queue(
+            NotServing(
+                f"the batcher's batching task {why} without stop(), before this request "
+                "was batched; call `await batcher.start()` to serve again."
+            )
+        )
 
     async def stop(self, deadline: float = 10.0) -> None:
         """Stop admitting; finish queued and running batches within ``deadline`` seconds,
@@ -367,14 +389,11 @@ class Batcher:
     async def submit(self, rows: Any) -> np.ndarray:
         """Run ``rows`` (a 2-D array, one request) and return its output rows."""
         if not self._accepting:
-            raise NotServing("the batcher is not accepting requests (not started, or stopping).")
+            raise self._not_accepting()
         loop = asyncio.get_running_loop()
         assert self._loop_task is not None
         if self._loop_task.get_loop() is not loop:
-            raise NotServing(
-                "the batcher was started on another event loop; call `await batcher.start()` "
-                "on this one (after stop() on the other, if it is still running)."
-            )
+            raise self._not_accepting()  # (that the batcher was started on another loop)
         rows = _as_rows(rows, "submit: rows")
         if len(rows) > self.max_batch_size:
             raise InvalidArgumentError(
@@ -406,6 +425,21 @@ class Batcher:
                 self._queued_rows -= len(rows)
             future.cancel()
             raise
+
+    def _not_accepting(self) -> NotServing:
+        """Why ``submit`` is refused, as the error to raise."""
+        task = self._loop_task
+        if task is not None and task.get_loop() is not asyncio.get_running_loop():
+            return NotServing(
+                "the batcher was started on another event loop; call `await batcher.start()` "
+                "on this one (after stop() on the other, if it is still running)."
+            )
+        if task is not None and task.done() and not self._stop_requested:
+            return NotServing(
+                "the batcher's batching task ended without stop() (it was cancelled, by "
+                "code that cancels every task?); call `await batcher.start()` to serve again."
+            )
+        return NotServing("the batcher is not accepting requests (not started, or stopping).")
 
     @property
     def queued_rows(self) -> int:

@@ -1011,6 +1011,29 @@ async def test_a_batcher_left_serving_on_a_closed_loop_serves_on_this_one(two):
         await batcher.submit(rows)
 
 
+async def test_a_batching_task_cancelled_without_stop_answers_and_restarts(two):
+    # Code that cancels every task (a framework's shutdown, a test's cleanup) cancelled
+    # the batching task: the queued caller then waited forever, as did every later
+    # submit, and start() returned at once without starting a new task.
+    batcher = Batcher(two, linear, max_wait_seconds=3600)
+    await batcher.start()
+    queued = asyncio.create_task(batcher.submit(np.ones((1, 4))))
+    await wait_until(lambda: batcher.queued_rows == 1, "a request queued")
+    (batching,) = [t for t in asyncio.all_tasks() if t.get_name() == "aiodist-batcher"]
+    batching.cancel()
+    with pytest.raises(NotServing, match=r"batching task was cancelled without stop\(\)"):
+        await asyncio.wait_for(queued, 5)
+    assert batcher.queued_rows == 0
+    with pytest.raises(NotServing, match=r"batching task ended without stop\(\)"):
+        await asyncio.wait_for(batcher.submit(np.ones((1, 4))), 5)
+    batcher.max_wait_seconds = 0
+    await asyncio.wait_for(batcher.start(), 5)
+    np.testing.assert_array_equal(await batcher.submit(np.ones((1, 4))), np.ones((1, 4)) @ W)
+    await batcher.stop()
+    with pytest.raises(NotServing, match="not accepting requests"):
+        await batcher.submit(np.ones((1, 4)))
+
+
 async def test_concurrent_starts_make_one_batching_loop(two):
     batcher = Batcher(two, linear)
     await asyncio.gather(batcher.start(np.zeros((1, 4))), batcher.start(np.zeros((1, 4))))
