@@ -577,7 +577,7 @@ class Batcher:
             # whose axis 0 is the outputs, not the rows: callers would get each
             # other's rows whenever the counts happened to agree.
             raise InvalidArgumentError(
-                f"the step returned a {type(result).__name__}; it must return one array "
+                f"Batcher: the step returned a {type(result).__name__}; it must return one array "
                 "with one output row per input row (np.stack or np.concatenate several "
                 "outputs, or a list of rows, into one array)."
             )
@@ -598,8 +598,8 @@ class Batcher:
                     given = strategy.experimental_local_results(result)
                     shown = _not_rows(given[replica] if len(given) > 1 else given[0])
                 raise InvalidArgumentError(
-                    f"the step returned {shown} on replica {replica} for its {len(shard)} "
-                    "input rows; it must return one output row per input row."
+                    f"Batcher: the step returned {shown} on replica {replica} for its "
+                    f"{len(shard)} input rows; it must return one output row per input row."
                 )
         # (Replicas given no rows, when the batch has fewer rows than replicas, add
         # none: their empty outputs left out, whatever shape the step gives them.)
@@ -621,6 +621,6 @@ class Batcher:
             for shape, rs in shapes.items()
         )
         raise InvalidArgumentError(
-            f"the step returned {shown}; every replica must return rows of one shape "
+            f"Batcher: the step returned {shown}; every replica must return rows of one shape "
             "(pad outputs to a fixed width, not to the longest in the replica's rows)."
         )

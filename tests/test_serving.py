@@ -408,6 +408,27 @@ async def test_a_step_returning_several_outputs_is_refused_not_mixed_up(two):
     await batcher.stop()
 
 
+async def test_the_steps_output_errors_say_they_come_from_the_batcher(two):
+    # "the step returned a tuple; ..." named no API: the step is the batcher's.
+    async def several(rows):
+        return rows, rows
+
+    async def short(rows):
+        return rows[:-1]
+
+    async def padded(rows):
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        return np.zeros((len(rows), 1 + rid))
+
+    batcher = Batcher(two, several, max_wait_seconds=0)
+    await batcher.start()
+    for step in (several, short, padded):
+        batcher.step_fn = step
+        with pytest.raises(aiodist.InvalidArgumentError, match=r"^Batcher: the step returned "):
+            await batcher.submit(np.ones((2, 1)))
+    await batcher.stop()
+
+
 def test_batcher_argument_checks(two):
     with pytest.raises(ValueError, match=r"max_batch_size=0; expected an int >= 1"):
         Batcher(two, linear, max_batch_size=0)
