@@ -227,6 +227,7 @@ class Batcher:
         self._loop_task: asyncio.Task | None = None
         self._starting: asyncio.Future | None = None  # set while start() warms up
         self._stop_requested = False
+        self._stops = 0  # stop() calls so far
         self._stopping: asyncio.Future | None = None  # set while stop() drains
         self._running: set[asyncio.Task] = set()
         self._slots: asyncio.Semaphore | None = None
@@ -237,8 +238,9 @@ class Batcher:
 
     async def start(self, warmup_rows: np.ndarray | None = None) -> None:
         """Warm up (one run of ``warmup_rows``, if given) and start batching. A call
-        made while another is warming up waits for it; one made while ``stop()`` is
-        draining waits for the stop to end, then starts. A batcher left serving on an
+        made while another is warming up waits for it (and starts afresh if a
+        ``stop()`` made before this call kept that one from starting); one made while
+        ``stop()`` is draining waits for the stop to end, then starts. A batcher left serving on an
         event loop that has since closed (a test that never called ``stop()``) starts
         afresh on this one. ``warmup_rows`` are rows as a request's (a 2-D array with at
         least one row); anything else raises ``InvalidArgumentError`` at once."""
@@ -251,14 +253,19 @@ class Batcher:
             if not self._loop_task.done():
                 return
             self._loop_task = None  # ended without stop() (see _batching_ended): start anew
-        if self._starting is not None:  # another start() is warming up: wait for it
+        stops = self._stops  # stop() calls made before this start
+        while self._starting is not None:  # another start() is warming up: wait for it
             await asyncio.shield(self._starting)
-            if self._loop_task is None:
+            if self._loop_task is not None:
+                return
+            # That warm-up ended without starting: it failed (its caller has the
+            # error), or a stop() ran during it. A stop made before this call is not
+            # this start's, which then starts afresh (a stop-then-start was refused).
+            if not self._stop_requested or self._stops != stops:
                 raise NotServing(
                     "the batcher did not start (its warm-up failed, or stop() ran during "
                     "it); call start() again to serve."
                 )
-            return
         self._starting = starting = asyncio.get_running_loop().create_future()
         self._stop_requested = False
         try:
@@ -341,6 +348,7 @@ class Batcher:
         self._forget_a_closed_loop()
         self._accepting = False
         self._stop_requested = True
+        self._stops += 1
         if self._stopping is not None:  # another stop() is draining: wait for it
             await asyncio.shield(self._stopping)
             return

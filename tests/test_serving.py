@@ -266,6 +266,26 @@ async def test_stop_during_warm_up_keeps_the_batcher_stopped(two):
     assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("aiodist-batcher")]
 
 
+async def test_a_start_after_a_stop_during_another_starts_warm_up_serves(two):
+    # start A warms up; stop() keeps A from starting; start B, called after that
+    # stop, waits for A's warm-up, then starts afresh (it was refused as "did not
+    # start"). A start waiting when the stop comes is still refused.
+    batcher, first, release = await _warming_up(two, max_wait_seconds=0)
+    before = asyncio.create_task(batcher.start())
+    await asyncio.sleep(0)
+    await batcher.stop()
+    after = asyncio.create_task(batcher.start(np.ones((2, 1))))
+    await asyncio.sleep(0.01)
+    assert not after.done()
+    release.set()
+    await first
+    with pytest.raises(NotServing, match="did not start"):
+        await before
+    await asyncio.wait_for(after, 5)
+    np.testing.assert_array_equal(await batcher.submit(np.ones((1, 1))), [[1.0]])
+    await batcher.stop()
+
+
 async def test_a_second_start_waits_for_the_first(two):
     batcher, first, release = await _warming_up(two, max_wait_seconds=0)
     second = asyncio.create_task(batcher.start())
