@@ -249,10 +249,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--max-wait-ms", type=float, default=2.0)
     args = parser.parse_args(argv)
+    # Bad values as usage errors that name the flag, not a traceback naming
+    # create_app's argument.
+    if args.max_batch_size < 1:
+        parser.error(f"--max-batch-size={args.max_batch_size}; expected at least 1")
+    if not (math.isfinite(args.max_wait_ms) and args.max_wait_ms >= 0):
+        parser.error(f"--max-wait-ms={args.max_wait_ms}; expected a finite number >= 0")
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
-    app = create_app(
-        devices, max_batch_size=args.max_batch_size, max_wait_seconds=args.max_wait_ms / 1e3
-    )
+    try:
+        app = create_app(
+            devices, max_batch_size=args.max_batch_size, max_wait_seconds=args.max_wait_ms / 1e3
+        )
+    except ValueError as exc:  # a bad --devices (aiodist's errors are ValueErrors)
+        parser.error(f"--devices={args.devices!r}: {exc}")
     try:
         import uvloop  # noqa: F401
 

@@ -1081,3 +1081,20 @@ async def test_concurrent_starts_make_one_batching_loop(two):
     loops = [t for t in asyncio.all_tasks() if t.get_name() == "aiodist-batcher"]
     assert len(loops) == 1
     await batcher.stop()
+
+
+@pytest.mark.parametrize(
+    ("flags", "text"),
+    [
+        (["--max-batch-size", "0"], "--max-batch-size=0; expected at least 1"),
+        (["--max-wait-ms", "-1"], "--max-wait-ms=-1.0; expected a finite number >= 0"),
+        (["--max-wait-ms", "nan"], "--max-wait-ms=nan"),
+        (["--devices", "tpu:0"], "--devices='tpu:0': "),
+    ],
+)
+def test_the_example_servers_bad_flags_are_usage_errors(flags, text, capsys):
+    # They ended in a traceback naming create_app's argument, not the flag.
+    with pytest.raises(SystemExit) as ended:
+        serve.main(flags)
+    assert ended.value.code == 2
+    assert text in capsys.readouterr().err
