@@ -505,9 +505,12 @@ class Batcher:
                 continue
             # Give the first request up to max_wait_seconds to gather company.
             first = self._queue[0].submitted
+            # (A queue that holds fewer rows than a batch is full before the batch:
+            # no later request can join, so waiting on would only add latency.)
+            full = min(self.max_batch_size, self.max_queue_rows)
             while (
                 self._accepting
-                and self._queued_rows < self.max_batch_size
+                and self._queued_rows < full
                 and time.perf_counter() - first < self.max_wait_seconds
             ):
                 self._wakeup.clear()

@@ -1098,3 +1098,13 @@ def test_the_example_servers_bad_flags_are_usage_errors(flags, text, capsys):
         serve.main(flags)
     assert ended.value.code == 2
     assert text in capsys.readouterr().err
+
+
+async def test_a_full_queue_smaller_than_a_batch_runs_without_waiting(two):
+    # max_queue_rows < max_batch_size: once the queue is full no request can join,
+    # so the batch runs at once; it waited the whole max_wait_seconds.
+    batcher = Batcher(two, linear, max_batch_size=8, max_queue_rows=4, max_wait_seconds=30)
+    await batcher.start()
+    rows = np.ones((4, 4))
+    np.testing.assert_array_equal(await asyncio.wait_for(batcher.submit(rows), 5), rows @ W)
+    await batcher.stop()
