@@ -23,6 +23,15 @@ as ``extended.reduce_to(..., destinations=v)`` returns); a ``PerReplica`` value
 is refused there, since the copies must stay equal (``extended.update`` writes
 each copy its own component).
 
+A write keeps the variable's dtype: a value of another dtype is cast to it where
+NumPy's "same_kind" casting allows (float64 or integers onto a float32 variable)
+and refused otherwise (a float onto an integer variable: cast it first). A Python
+int written to an integer variable is taken in the variable's dtype, as TF takes
+it, so ``await steps.assign_add(1)`` counts on a uint32 variable; one that does
+not fit the dtype (300 for an int8 variable) is refused with
+``InvalidArgumentError`` rather than wrapped. The result of
+``assign_add``/``assign_sub`` wraps as NumPy's integer arithmetic does.
+
 Operators (``v + 1``, ``v < x``, ``v == x``, ...) act on the value read,
 element-wise, as TF's do; so variables are unhashable, and ``v.ref()`` is what
 to use as a dict key. Iteration and ``x in v`` go over one read of the value,
@@ -96,6 +105,30 @@ def _frozen(array: Any) -> Any:
     if isinstance(array, np.ndarray):
         array.flags.writeable = False
     return array
+
+
+def _fitting_int(value: Any, dtype: np.dtype, where: str) -> Any:
+    """``value``, or, when it is a Python int (not a bool) written to an integer
+    variable, that int as a 0-d array of the variable's ``dtype``; ``where`` names
+    the write in the error raised when it does not fit ``dtype``.
+
+    As TF converts a Python number to the variable's dtype: left to NumPy, a Python
+    int became an int64 array, which an unsigned variable refused ("a value of dtype
+    int64 cannot be written to a variable of dtype uint32"), so a counter could not
+    be incremented by 1, and which a narrower signed one took wrapped (300 written
+    to an int8 variable read 44; NumPy itself refuses np.asarray(300, np.int8)).
+    Only the value given must fit: the sum of an ``assign_add`` wraps as NumPy's
+    (and TF's) integer arithmetic does."""
+    if not isinstance(value, int) or isinstance(value, bool) or dtype.kind not in "iu":
+        return value
+    info = np.iinfo(dtype)
+    if not info.min <= value <= info.max:
+        raise InvalidArgumentError(
+            f"{where}: {value} does not fit {dtype} ({info.min}..{info.max}), the "
+            "variable's dtype; a Python int is written in that dtype, never wrapped. "
+            "Give a value in that range."
+        )
+    return np.asarray(value, dtype)
 
 
 def _update_value(kind: str, old: Any, value: Any, where: str) -> Any:
@@ -268,6 +301,7 @@ class VariableCopy:
         device = variable._devices[self._index]
         where = f"{variable._name}.{kind} (copy on {device})"
         try:
+            value = _fitting_int(value, variable.dtype, where)
             placed = backend_for(device).asarray(value, device)
             with _WRITE_LOCK:
                 variable._values[self._index] = _update_value(kind, self.value(), placed, where)
@@ -550,11 +584,22 @@ class Variable:
         """``_write``, under this variable's own strategy, with a value that is not
         numbers named (not NumPy's or Python's own error)."""
         self._require_own_strategy()
+        if isinstance(value, int):  # (one test on the usual write, of an array)
+            # In replica context each replica's own, before a mirrored variable's
+            # rendezvous: its aggregate is then made in the variable's dtype.
+            value = _fitting_int(value, self.dtype, self._write_name(kind))
         try:
             return await self._write(kind, value)
         except (TypeError, ValueError) as error:
             _refuse_non_numbers(f"{self._name}.{kind}", value, self.dtype, error)
             raise
+
+    def _write_name(self, kind: str) -> str:
+        """``name.kind`` for errors, with the replica's id in a replica function."""
+        name = f"{self._name}.{kind}"
+        if self._replica_index() is None:
+            return name
+        return f"{name} (replica {_context.current_replica().replica_id_in_sync_group})"
 
     def _require_own_strategy(self) -> None:
         """TF's rule: a strategy's variable is written under that strategy (its scope,
@@ -601,8 +646,11 @@ class Variable:
         """What a cross-replica write gives each copy: a ``Mirrored`` value's own
         component (as TF allows), otherwise the one value, copied to the host once."""
         if isinstance(value, Mirrored):  # one component per replica: each copy's first
-            n = len(self._copy_of)
-            return [host_array(_component(value, r, n)) for r in self._replica_of_copy]
+            n, where = len(self._copy_of), f"{self._name}.{kind}"
+            return [
+                host_array(_fitting_int(_component(value, r, n), self.dtype, where))
+                for r in self._replica_of_copy
+            ]
         if isinstance(value, DistributedValues):
             raise InvalidArgumentError(
                 f"{self._name}.{kind}() in cross-replica context got a "

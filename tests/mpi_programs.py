@@ -131,6 +131,9 @@ async def compute(strategy: aiodist.Strategy) -> dict:
         first = aiodist.Variable(np.zeros(2), aggregation="only_first_replica", name="first")
         flag = aiodist.Variable(False, aggregation="only_first_replica", name="flag")  # a bool
         listed = aiodist.Variable(np.zeros(2), aggregation="sum", name="listed")
+        # Python ints, taken in an unsigned variable's dtype (not refused as int64).
+        steps = aiodist.Variable(np.uint32(0), aggregation="sum", name="steps")
+        middle = aiodist.Variable(np.uint8(0), aggregation="mean", name="middle")
 
     async def update():
         rid = aiodist.get_replica_context().replica_id_in_sync_group
@@ -139,6 +142,8 @@ async def compute(strategy: aiodist.Strategy) -> dict:
         await first.assign_add(np.array([rid + 1.0, 10.0]))
         await flag.assign(rid == 0)
         await listed.assign_add([rid + 1.0, 10.0])  # a list: regrouped leaf by leaf
+        await steps.assign_add(1)
+        await middle.assign(200 + rid)  # an exact MEAN across workers, in uint8
 
     await strategy.run(update)
     await strategy.run(update)
@@ -147,6 +152,8 @@ async def compute(strategy: aiodist.Strategy) -> dict:
     cross["first"] = first.numpy()
     cross["flag"] = flag.numpy()
     cross["listed"] = listed.numpy()
+    cross["steps"] = steps.numpy()
+    cross["middle"] = middle.numpy()
     cross["on_read"] = await _on_read(strategy)
     cross["int_means"] = await _int_means(strategy)
 

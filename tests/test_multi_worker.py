@@ -104,6 +104,9 @@ def test_results_equal_one_process_with_as_many_replicas(counts, loop):
     exact = [round(Fraction(sum(v[i] for v in values), n)) for i in range(2)]
     for result in results.values():
         assert result["cross"]["int_means"] == {"mirrored": exact, "saved": exact}
+        # Python ints written to unsigned variables: each replica's 1, twice; a MEAN.
+        assert result["cross"]["steps"] == 2 * n
+        assert result["cross"]["middle"] == round(Fraction(sum(200 + r for r in range(n)), n))
 
 
 def _close(got, want) -> bool:

@@ -460,6 +460,98 @@ async def test_replica_values_of_narrower_dtypes_aggregate_in_the_variables(
         assert copy.dtype == dtype and copy == expected
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint32, np.int8])
+async def test_python_ints_are_written_in_an_integer_variables_dtype(two, dtype):
+    # As TF converts a Python number to the variable's dtype. NumPy made an int64
+    # array of it, which an unsigned variable refused: a counter could not count by 1.
+    plain = aiodist.Variable(dtype(0), name="plain")
+    await plain.assign(7)
+    await plain.assign_add(3)
+    await plain.assign_sub(1)
+    assert plain.dtype == dtype and plain.numpy() == 9
+    with two.scope():
+        summed = aiodist.Variable(dtype(0), aggregation="sum", name="steps")
+        mean = aiodist.Variable(dtype(0), aggregation="mean", name="mean")
+        first = aiodist.Variable(dtype(0), aggregation="only_first_replica", name="first")
+        on_read = aiodist.Variable(
+            dtype(0), synchronization="on_read", aggregation="sum", name="seen"
+        )
+        await summed.assign(10)  # cross-replica: every copy
+        await on_read.assign(4)  # cross-replica, SUM: the first copy holds it
+
+    async def step():
+        await summed.assign_add(1)  # each replica's 1, summed: + 2
+        await summed.assign_sub(rid())  # - (0 + 1)
+        await mean.assign(3 + rid())  # the mean of 3 and 4, rounded half to even
+        await first.assign_add(5 + rid())  # replica 0's
+        await on_read.assign_add(1 + rid())  # each replica's own copy
+
+    await two.run(step)
+    for variable, expected in [(summed, 11), (mean, 4), (first, 5)]:
+        for copy in copies(two, variable):
+            assert copy.dtype == dtype and copy == expected, variable.name
+    assert [c.dtype for c in copies(two, on_read)] == [dtype, dtype]
+    assert copies(two, on_read) == [5, 2] and on_read.numpy() == 7
+    with two.scope():
+        await two.extended.update(summed, lambda copy: copy.assign_add(2))
+        await summed.assign_add(aiodist.Mirrored([1, 1]))
+    for copy in copies(two, summed):
+        assert copy.dtype == dtype and copy == 14
+    # Only the value given must fit: the sum wraps, as NumPy's (and TF's) does.
+    top = int(np.iinfo(dtype).max)
+    await plain.assign(top)
+    await plain.assign_add(1)
+    assert plain.numpy() == np.iinfo(dtype).min
+
+
+async def test_python_ints_that_do_not_fit_an_integer_variable_are_refused(two):
+    # NumPy made int64 of them, and the write cast that, wrapping: 300 read 44.
+    plain = aiodist.Variable(np.int8(0), name="steps")
+    with pytest.raises(
+        aiodist.InvalidArgumentError,
+        match=r"steps.assign: 300 does not fit int8 \(-128..127\), the variable's dtype",
+    ):
+        await plain.assign(300)
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"assign_sub: 18446744073709551616 "):
+        await plain.assign_sub(2**64)
+    assert plain.numpy() == 0
+    big = aiodist.Variable(np.int64(0), name="big")  # 2**63: NumPy's uint64, cast to -2**63
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"big.assign: 9223372036854775808 "):
+        await big.assign(2**63)
+    with two.scope():
+        mirrored = aiodist.Variable(np.int8(0), aggregation="sum", name="m")
+        on_read = aiodist.Variable(np.uint8(0), synchronization="on_read", aggregation="sum")
+        with pytest.raises(aiodist.InvalidArgumentError, match=r"m.assign: 128 does not fit"):
+            await mirrored.assign(128)
+        with pytest.raises(aiodist.InvalidArgumentError, match=r"does not fit uint8 \(0..255\)"):
+            await on_read.assign(-1)
+        # The copies got 1 and 0 (the second wrapped) and were no longer mirrored.
+        with pytest.raises(aiodist.InvalidArgumentError, match=r"m.assign: 256 does not fit"):
+            await mirrored.assign(aiodist.Mirrored([1, 256]))
+        with pytest.raises(
+            aiodist.InvalidArgumentError, match=r"m.assign_add \(copy on /device:CPU:0\): 500"
+        ):
+            await two.extended.update(mirrored, lambda copy: copy.assign_add(500))
+
+    async def step():
+        await mirrored.assign_add(1 if rid() == 0 else 300)  # aggregated: 301 read 45
+
+    with pytest.raises(
+        aiodist.InvalidArgumentError, match=r"m.assign_add \(replica 1\): 300 does not fit int8"
+    ):
+        await two.run(step)
+
+    async def local_step():
+        await on_read.assign_add(-1)
+
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"Variable.assign_add \(replica "):
+        await two.run(local_step)
+    assert copies(two, mirrored) == [0, 0] and copies(two, on_read) == [0, 0]
+    # A float is refused by an integer variable, as before.
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"dtype float64 cannot be written"):
+        await plain.assign(1.5)
+
+
 # -- extended.update and the TF docstring examples -------------------------------------
 
 
