@@ -29,7 +29,9 @@ and refused otherwise (a float onto an integer variable: cast it first). A Pytho
 int written to an integer variable is taken in the variable's dtype, as TF takes
 it, so ``await steps.assign_add(1)`` counts on a uint32 variable; one that does
 not fit the dtype (300 for an int8 variable) is refused with
-``InvalidArgumentError`` rather than wrapped. The result of
+``InvalidArgumentError`` rather than wrapped. Integers of a wider dtype (a list
+of Python ints, int64 to NumPy) are taken alike, and an initial value that the
+``dtype=`` given cannot hold is refused. The result of
 ``assign_add``/``assign_sub`` wraps as NumPy's integer arithmetic does.
 
 Operators (``v + 1``, ``v < x``, ``v == x``, ...) act on the value read,
@@ -121,14 +123,41 @@ def _fitting_int(value: Any, dtype: np.dtype, where: str) -> Any:
     (and TF's) integer arithmetic does."""
     if not isinstance(value, int) or isinstance(value, bool) or dtype.kind not in "iu":
         return value
-    info = np.iinfo(dtype)
-    if not info.min <= value <= info.max:
-        raise InvalidArgumentError(
-            f"{where}: {value} does not fit {dtype} ({info.min}..{info.max}), the "
-            "variable's dtype; a Python int is written in that dtype, never wrapped. "
-            "Give a value in that range."
-        )
+    _refuse_outside(where, value, value, dtype)
     return np.asarray(value, dtype)
+
+
+def _refuse_outside(where: str, low: Any, high: Any, dtype: np.dtype) -> None:
+    """Refuse integers from ``low`` to ``high`` that the integer ``dtype`` (the
+    variable's) cannot hold, naming the first out of its range: NumPy's cast would
+    wrap them."""
+    info = np.iinfo(dtype)
+    if low < info.min or high > info.max:
+        raise InvalidArgumentError(
+            f"{where}: {low if low < info.min else high} does not fit {dtype} "
+            f"({info.min}..{info.max}), the variable's dtype; an integer is written in "
+            "that dtype, never wrapped. Give values in that range."
+        )
+
+
+def _refuse_lossy_initial_value(name: str, given: np.ndarray, dtype: np.dtype) -> None:
+    """Refuse an initial value that ``dtype`` (the one asked for) cannot hold: as TF
+    refuses ``tf.Variable(300, dtype=tf.int8)`` and ``tf.Variable(1.7,
+    dtype=tf.int32)``, where NumPy's cast read 44 and 1. Integers are checked
+    against the dtype's range; fractions, imaginary parts and numbers as bools are
+    refused by kind."""
+    if given.dtype == dtype or given.dtype.kind not in "biufc" or dtype.kind not in "biufc":
+        return
+    order = "biufc"  # (bool < integers < floats < complex: a cast down loses)
+    to, of = dtype.kind, given.dtype.kind
+    if order.index(to if to != "u" else "i") < order.index(of if of != "u" else "i"):
+        raise InvalidArgumentError(
+            f"{name}: an initial value of dtype {given.dtype} cannot become dtype "
+            f"{dtype} without loss; expected a value of that dtype (where the loss is "
+            f"meant, cast it first: value.astype(np.{dtype}))."
+        )
+    if to in "iu" and of in "iu" and given.size:
+        _refuse_outside(f"{name}: initial value", given.min(), given.max(), dtype)
 
 
 def _update_value(kind: str, old: Any, value: Any, where: str) -> Any:
@@ -158,6 +187,19 @@ def _new_value(xp: Any, kind: str, old: Any, value: Any, where: str) -> Any:
                 f"variable of shape {tuple(old.shape)}; expected that shape or one that "
                 "broadcasts to it."
             ) from None
+    if (
+        value.dtype != old.dtype
+        and value.dtype.kind in "iu"
+        and old.dtype.kind in "iu"
+        and not np.can_cast(value.dtype, old.dtype, casting="safe")
+    ):
+        # Integers of a wider (or other-signed) dtype, such as a list of Python ints,
+        # int64: taken in the variable's dtype when they fit it, as a Python int is
+        # (_fitting_int), so the arithmetic below wraps alike. A uint8 variable
+        # refused [1, 2]; an int8 one took np.int64(300) as 44.
+        if value.size:
+            _refuse_outside(where, value.min(), value.max(), old.dtype)
+        value = value.astype(old.dtype)
     if kind == "assign_add":
         value = xp.asarray(old + value)  # ufuncs give scalars for 0-d arrays
     elif kind == "assign_sub":
@@ -391,7 +433,12 @@ class Variable:
                 "one array or scalar (read a component first)."
             )
         try:
-            host = np.array(host_array(initial_value), dtype=dtype)
+            given = np.asarray(host_array(initial_value))
+            wanted = given.dtype if dtype is None else np.dtype(dtype)
+            _refuse_lossy_initial_value(self._name, given, wanted)  # (before a cast warns)
+            host = np.array(given, dtype=wanted)
+        except InvalidArgumentError:
+            raise
         except (TypeError, ValueError) as exc:
             raise InvalidArgumentError(
                 f"{self._name}: initial_value={initial_value!r} is not an array of numbers ({exc})."

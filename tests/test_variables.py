@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 import threading
+import warnings
 from copy import deepcopy
 from fractions import Fraction
 
@@ -1073,3 +1075,51 @@ def test_variable_created_in_scope(two, three):
     assert default.extended.variable_created_in_scope(plain)
     assert not default.extended.variable_created_in_scope(v)
     assert not two.extended.variable_created_in_scope(1.0)
+
+
+@pytest.mark.parametrize(
+    ("value", "dtype", "text"),
+    [
+        (300, np.int8, "initial value: 300 does not fit int8 (-128..127)"),
+        ([1, -1], np.uint8, "initial value: -1 does not fit uint8 (0..255)"),
+        (1.7, np.int32, "dtype float64 cannot become dtype int32 without loss"),
+        (1 + 2j, np.float32, "dtype complex128 cannot become dtype float32 without loss"),
+        (2, bool, "dtype int64 cannot become dtype bool without loss"),
+    ],
+)
+def test_an_initial_value_its_dtype_cannot_hold_is_refused(value, dtype, text):
+    # NumPy's cast read 44, 255, 1, 1.0 and True; TF refuses these too.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no ComplexWarning from a cast made first)
+        with pytest.raises(aiodist.InvalidArgumentError, match=re.escape(text)):
+            aiodist.Variable(value, dtype=dtype, name="v")
+
+
+@pytest.mark.parametrize(
+    ("value", "dtype", "expected"),
+    [([1, 2], np.uint8, [1, 2]), (127, np.int8, 127), (5, np.float16, 5.0), (True, np.int8, 1)],
+)
+def test_an_initial_value_its_dtype_holds_is_taken_in_it(value, dtype, expected):
+    v = aiodist.Variable(value, dtype=dtype)
+    assert v.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(v.numpy(), expected)
+
+
+async def test_integers_of_a_wider_dtype_are_written_when_they_fit():
+    # A list of Python ints (int64) onto a uint8 variable was refused as "dtype
+    # int64"; np.int64(300) onto an int8 one read 44. Now both are taken in the
+    # variable's dtype when they fit (the sum wrapping as for a Python int), and
+    # refused, naming the value, when they do not.
+    counts = aiodist.Variable(np.array([254, 0], np.uint8), name="counts")
+    await counts.assign_add([1, 2])
+    np.testing.assert_array_equal(counts.numpy(), [255, 2])
+    await counts.assign_add(np.array([1, 1], np.int64))
+    np.testing.assert_array_equal(counts.numpy(), [0, 3])  # 255 + 1 wraps in uint8
+    assert counts.dtype == np.uint8
+    small = aiodist.Variable(np.int8(0), name="small")
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"small.assign: 300 does not fit int8"):
+        await small.assign(np.int64(300))
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"counts.assign: -1 does not fit uint8"):
+        await counts.assign([5, -1])
+    assert small.numpy() == 0
+    np.testing.assert_array_equal(counts.numpy(), [0, 3])
