@@ -806,8 +806,8 @@ class MirroredStrategy(Strategy):
             a device may be listed more than once. Default: every visible GPU,
             else ``["cpu:0"]``.
         cross_device_ops: how values are combined across devices (default:
-            ``NcclAllReduce`` for two or more distinct GPUs when CuPy has NCCL,
-            else ``ReductionToOneDevice``).
+            ``NcclAllReduce`` for two or more GPUs, none listed twice, when CuPy
+            has NCCL, else ``ReductionToOneDevice``).
         communication_options: defaults for every collective (per-call
             ``options`` override them field by field).
 

@@ -245,5 +245,5 @@ def test_the_documented_default_cross_device_ops_names_nccl_for_distinct_gpus():
     # SPEC §6, docs/gpu.md); this machine may have no GPU to show it on.
     doc = " ".join(aiodist.MirroredStrategy.__doc__.split())
     entry = doc.split("cross_device_ops:", 1)[1].split("communication_options:", 1)[0]
-    assert "``NcclAllReduce`` for two or more distinct GPUs" in entry
+    assert "``NcclAllReduce`` for two or more GPUs, none listed twice," in entry
     assert "else ``ReductionToOneDevice``" in entry
