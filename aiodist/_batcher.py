@@ -396,12 +396,10 @@ class Batcher:
 
     async def submit(self, rows: Any) -> np.ndarray:
         """Run ``rows`` (a 2-D array, one request) and return its output rows."""
-        if not self._accepting:
-            raise self._not_accepting()
         loop = asyncio.get_running_loop()
-        assert self._loop_task is not None
-        if self._loop_task.get_loop() is not loop:
-            raise self._not_accepting()  # (that the batcher was started on another loop)
+        task = self._loop_task  # (set whenever the batcher accepts)
+        if not self._accepting or task is None or task.get_loop() is not loop:
+            raise self._not_accepting()  # (not started or stopping, or on another loop)
         rows = _as_rows(rows, "submit: rows")
         if len(rows) > self.max_batch_size:
             raise InvalidArgumentError(
@@ -443,9 +441,10 @@ class Batcher:
                 "on this one (after stop() on the other, if it is still running)."
             )
         if task is not None and task.done() and not self._stop_requested:
+            why = "was cancelled" if task.cancelled() else f"failed ({task.exception()!r})"
             return NotServing(
-                "the batcher's batching task ended without stop() (it was cancelled, by "
-                "code that cancels every task?); call `await batcher.start()` to serve again."
+                f"the batcher's batching task {why} without stop(); call `await "
+                "batcher.start()` to serve again."
             )
         return NotServing("the batcher is not accepting requests (not started, or stopping).")
 
@@ -536,23 +535,20 @@ class Batcher:
         batch must not release)."""
         self._running.discard(task)
         slots.release()
-        if not task.cancelled() and task.exception() is not None:
-            # The step raised a BaseException that is no Exception (pytest.fail's, a
-            # custom abort), which _serve lets through: its callers get it all the same.
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            # The batch failed (the step raised, a BaseException such as pytest.fail's
+            # too, or its output was refused): every caller gets the one error.
             self._failed += 1
-            _fail(batch, task.exception())
+            _fail(batch, error)
             return
         stopped = "the batcher stopped before this request's batch finished; retry elsewhere."
         _fail(batch, NotServing(stopped))
 
     async def _serve(self, batch: list[_Request]) -> None:
-        try:
-            rows = np.concatenate([request.rows for request in batch])
-            outputs = await self._run_batch(rows)
-        except Exception as exc:
-            self._failed += 1
-            _fail(batch, exc)
-            return
+        # (A failure is its callers', answered by _served.)
+        rows = np.concatenate([request.rows for request in batch])
+        outputs = await self._run_batch(rows)
         self._batches += 1
         self._rows += len(rows)
         now = time.perf_counter()
@@ -622,7 +618,7 @@ class Batcher:
             for replica, (part, shard) in enumerate(zip(parts, shards, strict=True)):
                 if len(shard):
                     shapes.setdefault(part.shape[1:], []).append(replica)
-            if len(shapes) == 1:
+            if len(shapes) == 1:  # (not seen: rows of one shape join; NumPy's reason)
                 raise
         # Rows padded to the longest in each replica's share, for example: one caller's
         # rows could not be joined with another's.

@@ -1065,7 +1065,7 @@ async def test_a_batching_task_cancelled_without_stop_answers_and_restarts(two):
     with pytest.raises(NotServing, match=r"batching task was cancelled without stop\(\)"):
         await asyncio.wait_for(queued, 5)
     assert batcher.queued_rows == 0
-    with pytest.raises(NotServing, match=r"batching task ended without stop\(\)"):
+    with pytest.raises(NotServing, match=r"batching task was cancelled without stop\(\); call"):
         await asyncio.wait_for(batcher.submit(np.ones((1, 4))), 5)
     batcher.max_wait_seconds = 0
     await asyncio.wait_for(batcher.start(), 5)
