@@ -944,6 +944,15 @@ class RunGroup:
             except asyncio.CancelledError as exc:
                 cancelled = cancelled or exc
                 self._cancel_all()
+        if self._aux:
+            # Merge tasks that have ended with their done callbacks still queued: the
+            # rendezvous' delivery of each call, then its leaving the table (see
+            # _merged). One loop turn runs them, so the run closes its rendezvous
+            # with every call it ran delivered.
+            try:
+                await asyncio.sleep(0)
+            except asyncio.CancelledError as exc:
+                cancelled = cancelled or exc
         # The replicas' failures are the run's to report (it raises the first): each
         # marked retrieved, so asyncio does not log them again as never retrieved.
         for task in self._tasks:
@@ -1333,8 +1342,27 @@ class RunGroup:
             raise
         finally:
             if self._aux:  # (empty when it ends in its eager first step: no lookup)
-                self._aux.pop(asyncio.current_task(self._loop), None)
+                # (The task passed on, not kept in a local: this frame is in the
+                # traceback of merge_fn's error, which the task holds.)
+                self._untrack_when_done(asyncio.current_task(self._loop))
         return self._for_each_replica(result)
+
+    def _untrack_when_done(self, task: asyncio.Task) -> None:
+        """``task``, a merge task ending (see _merged), leaves the run's table once
+        its done callbacks before this one have run.
+
+        Only one that suspended is in the table. The rendezvous hears how it ended
+        from a done callback (Rendezvous._ran), queued as the task ends; so the task
+        leaves the table from one queued after that, not at once: a run that finds
+        the table empty has had the call delivered, and a failure no replica awaited
+        is among its failed calls when the run closes it (see run), not set on the
+        futures afterwards and logged as never retrieved while the run returns."""
+        if task in self._aux:
+            task.add_done_callback(self._untrack)
+
+    def _untrack(self, task: asyncio.Task) -> None:
+        """Done callback of a merge task that suspended: it leaves the run's table."""
+        self._aux.pop(task, None)
 
     def _for_each_replica(self, value: object) -> list:
         """``value`` (a merge_fn's result) as each replica receives it."""

@@ -101,6 +101,17 @@ async def test_failed_runs_leave_no_cyclic_garbage(two):
     async def merge_fn_raises_never_awaited():  # (raised with merge_fn's traceback)
         aiodist.get_replica_context().merge_call(merge_raises)
 
+    async def async_merge_raises(strategy):  # raises in a later step of its task
+        await asyncio.sleep(0)
+        raise KeyError("from an async merge_fn")
+
+    async def async_merge_fn_raises():
+        return await aiodist.get_replica_context().merge_call(async_merge_raises)
+
+    async def async_merge_fn_raises_never_awaited():
+        await asyncio.sleep(0)
+        aiodist.get_replica_context().merge_call(async_merge_raises)
+
     async def run(fn):
         with contextlib.suppress(ValueError, KeyError, aiodist.RendezvousError):
             await two.run(fn)
@@ -119,6 +130,8 @@ async def test_failed_runs_leave_no_cyclic_garbage(two):
             merge_fn_raises_caught,
             never_awaited_fails,
             merge_fn_raises_never_awaited,
+            async_merge_fn_raises,
+            async_merge_fn_raises_never_awaited,
         )
     ]
     for case in (*cases, default_context):

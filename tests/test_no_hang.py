@@ -1059,6 +1059,42 @@ async def test_a_collective_that_failed_unawaited_fails_the_run(failure, caplog)
     assert "never retrieved" not in caplog.text
 
 
+@pytest.mark.parametrize("then", ["returns after a loop turn", "awaits a later collective"])
+async def test_an_async_merge_fn_failing_unawaited_after_the_replicas_meet_again(
+    strategy, then, caplog
+):
+    """An async merge_fn that suspends, then raises, in a merge_call no replica
+    awaits: its task could end before the run looked, with the call's delivery (a
+    done callback) still queued. The run found no merge task left, closed its
+    rendezvous, returned normally, and the error was only logged as "never
+    retrieved" (on Python 3.11 when the replicas then awaited another collective; on
+    3.12+ when they had suspended before the merge_call). It raises that error."""
+    raised = _Lost("from merge_fn")
+
+    async def async_merge_fn(strategy):
+        await asyncio.sleep(0)
+        raise raised
+
+    async def step():
+        ctx = aiodist.get_replica_context()
+        if then == "returns after a loop turn":
+            await asyncio.sleep(0)
+            ctx.merge_call(async_merge_fn)  # never awaited
+        else:
+            ctx.merge_call(async_merge_fn)  # never awaited
+            await ctx.all_gather(np.ones((1, 2)), axis=0)
+        return rid()
+
+    for _ in range(2):
+        with pytest.raises(_Lost) as info:
+            await strategy.run(step)
+        assert info.value is raised
+        del info
+        assert strategy.statistics().runs_in_flight == 0
+    gc.collect()
+    assert "never retrieved" not in caplog.text
+
+
 async def test_a_collective_failure_some_replica_saw_does_not_fail_the_run(two, caplog):
     """A failed collective that a replica awaited (and handled) is not lost: only
     errors no replica retrieved fail a run that every replica returned from. Nor does
