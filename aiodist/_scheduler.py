@@ -605,6 +605,10 @@ class RunGroup:
         else:
             if code is not None and code.co_flags & CO_ASYNC_GENERATOR:
                 raise _async_generator_refused(fn)
+            # One without code of its own: a partial of one, or a partialmethod, which
+            # inspect sees through (a partial's run takes this path anyway).
+            if code is None and inspect.isasyncgenfunction(fn):
+                raise _async_generator_refused(fn)
             coroutines = self._coroutines(fn, args, kwargs, is_async, plain_args)
             if not self._on_host:
                 # GPUs: the replicas' work waits for what the caller queued on the

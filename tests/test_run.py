@@ -6,6 +6,7 @@ import asyncio
 import collections
 import contextlib
 import contextvars
+import functools
 import gc
 import json
 import sys
@@ -273,15 +274,20 @@ async def test_args_must_be_list_or_tuple(two):
 
 async def test_an_async_generator_function_is_refused_naming_it(two):
     """An async def with a yield in it gave each replica's unstarted async generator
-    back as its "result"; it is refused, saying what to pass instead."""
+    back as its "result"; it is refused, saying what to pass instead. So is a partial
+    of one (it was taken as a plain function, and its async generators returned)."""
 
-    async def step():
-        yield 1.0
+    async def step(scale=1.0):
+        yield scale
 
     with pytest.raises(
         aiodist.InvalidArgumentError, match=r"fn=<function .*step.* is an async gen"
     ):
         await two.run(step)
+    with pytest.raises(
+        aiodist.InvalidArgumentError, match=r"fn=functools.partial\(<function .*step.* is an async"
+    ):
+        await two.run(functools.partial(step, 2.0))
     assert await two.run(lambda: 1.0) == 1.0  # the strategy is usable after
 
 
