@@ -628,4 +628,10 @@ def _keywords(kwargs: Any, where: str) -> dict:
         raise InvalidArgumentError(
             f"{where}: kwargs must be a dict or None, got {type(kwargs).__name__} ({kwargs!r})."
         )
+    for key in kwargs:  # (or Python's bare "keywords must be strings", in every replica)
+        if not isinstance(key, str):
+            raise InvalidArgumentError(
+                f"{where}: kwargs has the key {key!r}, which is no str; expected keyword "
+                "argument names, as for fn(**kwargs)."
+            )
     return kwargs

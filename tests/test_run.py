@@ -704,3 +704,18 @@ async def test_a_coroutine_object_passed_for_a_function_is_named_and_closed(two)
     # never awaited.
     assert len(made) == 6
     assert [c.cr_frame for c in made] == [None] * 6
+
+
+async def test_kwargs_keys_that_are_no_strings_are_refused_naming_the_call(two):
+    # Python's bare "TypeError: keywords must be strings" was raised, in every replica
+    # for a merge_call.
+    async def merge_fn(strategy, **kwargs):
+        return 1
+
+    async def step(**kwargs):
+        return await aiodist.get_replica_context().merge_call(merge_fn, kwargs={1: 2})
+
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"^run: kwargs has the key 1, which"):
+        await two.run(step, kwargs={1: 2})
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"^merge_call: kwargs has the key 1"):
+        await two.run(step)
