@@ -303,7 +303,8 @@ def _check_iterable(iterable: Any, where: str) -> None:
         # Iterated, a mapping gives its keys, never batches: one global batch given
         # as it is ({"x": ..., "y": ...}) was refused only at the first read, as "a
         # rank-0 value ('x') has no batch axis".
-        keys = ", ".join(map(repr, list(iterable)[:3])) + (", ..." if len(iterable) > 3 else "")
+        shown = list(itertools.islice(iterable, 4))  # (not a copy of every key)
+        keys = ", ".join(map(repr, shown[:3])) + (", ..." if len(shown) > 3 else "")
         raise InvalidArgumentError(
             f"{where}: the dataset is a mapping ({type(iterable).__name__}, "
             f"{f'keys {keys}' if keys else 'empty'}), whose "

@@ -49,6 +49,7 @@ other threads (a strategy may serve several) do not lose updates either.
 from __future__ import annotations
 
 import enum
+import functools
 import operator
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -109,10 +110,10 @@ def _frozen(array: Any) -> Any:
     return array
 
 
-def _fitting_int(value: Any, dtype: np.dtype, where: str) -> Any:
+def _fitting_int(value: Any, variable: Variable, kind: str) -> Any:
     """``value``, or, when it is a Python int (not a bool) written to an integer
-    variable, that int as a 0-d array of the variable's ``dtype``; ``where`` names
-    the write in the error raised when it does not fit ``dtype``.
+    ``variable`` (by its ``kind`` of write), that int as a 0-d array of the
+    variable's dtype, refused when it does not fit.
 
     As TF converts a Python number to the variable's dtype: left to NumPy, a Python
     int became an int64 array, which an unsigned variable refused ("a value of dtype
@@ -121,21 +122,32 @@ def _fitting_int(value: Any, dtype: np.dtype, where: str) -> Any:
     to an int8 variable read 44; NumPy itself refuses np.asarray(300, np.int8)).
     Only the value given must fit: the sum of an ``assign_add`` wraps as NumPy's
     (and TF's) integer arithmetic does."""
-    if not isinstance(value, int) or isinstance(value, bool) or dtype.kind not in "iu":
+    dtype = variable.dtype
+    if isinstance(value, bool) or dtype.kind not in "iu":
         return value
-    _refuse_outside(where, value, value, dtype)
+    low, high = _int_range(dtype)
+    if not low <= value <= high:  # (the write's name made only for the error)
+        _refuse_outside(variable._write_name(kind), value, value, dtype)
     return np.asarray(value, dtype)
+
+
+@functools.cache
+def _int_range(dtype: np.dtype) -> tuple[int, int]:
+    """The least and greatest values of the integer ``dtype`` (np.iinfo, kept: it
+    took 0.6 us a call, on every write of a Python int)."""
+    info = np.iinfo(dtype)
+    return int(info.min), int(info.max)
 
 
 def _refuse_outside(where: str, low: Any, high: Any, dtype: np.dtype) -> None:
     """Refuse integers from ``low`` to ``high`` that the integer ``dtype`` (the
     variable's) cannot hold, naming the first out of its range: NumPy's cast would
     wrap them."""
-    info = np.iinfo(dtype)
-    if low < info.min or high > info.max:
+    least, greatest = _int_range(dtype)
+    if low < least or high > greatest:
         raise InvalidArgumentError(
-            f"{where}: {low if low < info.min else high} does not fit {dtype} "
-            f"({info.min}..{info.max}), the variable's dtype; an integer is written in "
+            f"{where}: {low if low < least else high} does not fit {dtype} "
+            f"({least}..{greatest}), the variable's dtype; an integer is written in "
             "that dtype, never wrapped. Give values in that range."
         )
 
@@ -148,9 +160,10 @@ def _refuse_lossy_initial_value(name: str, given: np.ndarray, dtype: np.dtype) -
     refused by kind."""
     if given.dtype == dtype or given.dtype.kind not in "biufc" or dtype.kind not in "biufc":
         return
-    order = "biufc"  # (bool < integers < floats < complex: a cast down loses)
     to, of = dtype.kind, given.dtype.kind
-    if order.index(to if to != "u" else "i") < order.index(of if of != "u" else "i"):
+    # A cast down the kinds (complex, float, integer, bool) loses; one between
+    # integers is checked against the range below.
+    if not np.can_cast(given.dtype, dtype, "same_kind") and not (to in "iu" and of in "iu"):
         raise InvalidArgumentError(
             f"{name}: an initial value of dtype {given.dtype} cannot become dtype "
             f"{dtype} without loss; expected a value of that dtype (where the loss is "
@@ -188,7 +201,8 @@ def _new_value(xp: Any, kind: str, old: Any, value: Any, where: str) -> Any:
                 "broadcasts to it."
             ) from None
     if (
-        value.dtype != old.dtype
+        xp is np  # (on GPUs min/max would wait for the device, in a merge: SPEC 7)
+        and value.dtype != old.dtype
         and value.dtype.kind in "iu"
         and old.dtype.kind in "iu"
         and not np.can_cast(value.dtype, old.dtype, casting="safe")
@@ -196,7 +210,8 @@ def _new_value(xp: Any, kind: str, old: Any, value: Any, where: str) -> Any:
         # Integers of a wider (or other-signed) dtype, such as a list of Python ints,
         # int64: taken in the variable's dtype when they fit it, as a Python int is
         # (_fitting_int), so the arithmetic below wraps alike. A uint8 variable
-        # refused [1, 2]; an int8 one took np.int64(300) as 44.
+        # refused [1, 2]; an int8 one took np.int64(300) as 44. (GPU copies cast by
+        # the rule below, as before.)
         if value.size:
             _refuse_outside(where, value.min(), value.max(), old.dtype)
         value = value.astype(old.dtype)
@@ -342,8 +357,7 @@ class VariableCopy:
         variable = self._variable
         device = variable._devices[self._index]
         where = f"{variable._name}.{kind} (copy on {device})"
-        try:
-            value = _fitting_int(value, variable.dtype, where)
+        try:  # (a Python int is checked against the dtype in _new_value, as int64)
             placed = backend_for(device).asarray(value, device)
             with _WRITE_LOCK:
                 variable._values[self._index] = _update_value(kind, self.value(), placed, where)
@@ -634,7 +648,7 @@ class Variable:
         if isinstance(value, int):  # (one test on the usual write, of an array)
             # In replica context each replica's own, before a mirrored variable's
             # rendezvous: its aggregate is then made in the variable's dtype.
-            value = _fitting_int(value, self.dtype, self._write_name(kind))
+            value = _fitting_int(value, self, kind)
         try:
             return await self._write(kind, value)
         except (TypeError, ValueError) as error:
@@ -693,11 +707,8 @@ class Variable:
         """What a cross-replica write gives each copy: a ``Mirrored`` value's own
         component (as TF allows), otherwise the one value, copied to the host once."""
         if isinstance(value, Mirrored):  # one component per replica: each copy's first
-            n, where = len(self._copy_of), f"{self._name}.{kind}"
-            return [
-                host_array(_fitting_int(_component(value, r, n), self.dtype, where))
-                for r in self._replica_of_copy
-            ]
+            n = len(self._copy_of)
+            return [host_array(_component(value, r, n)) for r in self._replica_of_copy]
         if isinstance(value, DistributedValues):
             raise InvalidArgumentError(
                 f"{self._name}.{kind}() in cross-replica context got a "
@@ -864,11 +875,11 @@ class MirroredVariable(Variable):
         else:
             target, backend = _HOST, backend_for(_HOST)
             arrays = [np.asarray(host_array(p)) for p in parts]
-        with backend.on_device(target):  # (a widening astype is a kernel on GPUs)
+        # (CuPy computes on the current device: a widening astype, an exact mean.)
+        with backend.on_device(target):
             arrays = self._shaped(kind, arrays, xp=backend.xp)
-        if self._exact_mean_of(arrays):
-            n = len(arrays)
-            with backend.on_device(target):  # (CuPy computes on the current device)
+            if self._exact_mean_of(arrays):
+                n = len(arrays)
                 sums = _integer_sums(arrays, n, backend.xp)
                 return _mean_of_sums(*sums, n, self.dtype, backend.xp)
         op = ReduceOp.SUM if self._aggregation is VariableAggregation.SUM else ReduceOp.MEAN
