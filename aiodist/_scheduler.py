@@ -950,8 +950,8 @@ class RunGroup:
                 self._cancel_all()
         if self._aux:
             # Merge tasks that have ended with their done callbacks still queued: the
-            # rendezvous' delivery of each call, then its leaving the table (see
-            # _merged). One loop turn runs them, so the run closes its rendezvous
+            # rendezvous' delivery of each call, and its leaving the table (see
+            # _untrack). One loop turn runs them, so the run closes its rendezvous
             # with every call it ran delivered.
             try:
                 await asyncio.sleep(0)
@@ -1115,16 +1115,15 @@ class RunGroup:
         coro: Any,
         context: contextvars.Context | None = None,
         *,
-        untracks: bool = False,
         unstarted: tuple = (),
         eager: bool = False,
         name: str | None = None,
     ) -> asyncio.Task:
         """A task doing cross-replica work for this run: cancelled with the run's
-        replicas and waited for by ``_drain``. ``untracks``: ``coro`` leaves ``_aux``
-        itself when it ends (see ``_merged``); otherwise a done callback does.
-        ``unstarted``: coroutines ``coro`` would await, closed by ``_cancel_all`` if
-        the task is cancelled before its first step (never awaited otherwise).
+        replicas and waited for by ``_drain``, in whose table it stays until its done
+        callbacks run (see ``_untrack``). ``unstarted``: coroutines ``coro`` would
+        await, closed by ``_cancel_all`` if the task is cancelled before its first
+        step (never awaited otherwise).
         ``name``: the task's (an async merge_fn's is ``MERGE_TASK_NAME``).
 
         ``eager`` (Python 3.12+, without a custom task factory; on 3.11 ``_merge``
@@ -1153,8 +1152,7 @@ class RunGroup:
         if task.done():  # run to its end eagerly: nothing to wait for
             return task
         aux[task] = unstarted
-        if not untracks:
-            task.add_done_callback(lambda done: aux.pop(done, None))
+        task.add_done_callback(self._untrack)
         return task
 
     def _aux_table(self) -> dict:
@@ -1303,6 +1301,7 @@ class RunGroup:
             # Tracked from here (the run waits for it, and cancels it with the
             # replicas); a merge_fn ended in its first step needs no table.
             self._aux_table()[task] = ()  # started: nothing to close if cancelled
+            task.add_done_callback(self._untrack)
         else:
             # The coroutines to close if the task never starts: the one it awaits, and
             # merge_fn's own beneath the wrappers. (Only here, where they are used.)
@@ -1312,7 +1311,6 @@ class RunGroup:
                 task = self._spawn(
                     self._merged(coro, number, timeout),
                     context,
-                    untracks=True,
                     unstarted=unstarted,
                     eager=True,
                     name=MERGE_TASK_NAME,
@@ -1344,28 +1342,19 @@ class RunGroup:
                     "faster, or raise timeout_seconds."
                 ) from None
             raise
-        finally:
-            if self._aux:  # (empty when it ends in its eager first step: no lookup)
-                # (The task passed on, not kept in a local: this frame is in the
-                # traceback of merge_fn's error, which the task holds.)
-                self._untrack_when_done(asyncio.current_task(self._loop))
         return self._for_each_replica(result)
 
-    def _untrack_when_done(self, task: asyncio.Task) -> None:
-        """``task``, a merge task ending (see _merged), leaves the run's table once
-        its done callbacks before this one have run.
-
-        Only one that suspended is in the table. The rendezvous hears how it ended
-        from a done callback (Rendezvous._ran), queued as the task ends; so the task
-        leaves the table from one queued after that, not at once: a run that finds
-        the table empty has had the call delivered, and a failure no replica awaited
-        is among its failed calls when the run closes it (see run), not set on the
-        futures afterwards and logged as never retrieved while the run returns."""
-        if task in self._aux:
-            task.add_done_callback(self._untrack)
-
     def _untrack(self, task: asyncio.Task) -> None:
-        """Done callback of a merge task that suspended: it leaves the run's table."""
+        """Done callback of a tracked cross-replica task (one that suspended): it
+        leaves the run's table.
+
+        A done callback, not the task's own last step: the rendezvous hears how the
+        task ended from another done callback (Rendezvous._ran), and a task's done
+        callbacks run together, with nothing between them. So a run that finds the
+        table empty has had every call delivered, and a failure no replica awaited is
+        among its failed calls when the run closes it (see run). (A merge task that
+        left the table from its own last step let the run return first; the failure
+        was then set on the futures afterwards, and only logged as never retrieved.)"""
         self._aux.pop(task, None)
 
     def _for_each_replica(self, value: object) -> list:
