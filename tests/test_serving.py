@@ -572,15 +572,33 @@ async def test_the_client_names_a_server_that_hangs_up_or_replies_garbage():
             await server.wait_closed()
 
 
-async def test_overload_answers_503_and_recovers():
+async def test_overload_answers_503_and_recovers(monkeypatch):
+    # The model's step waits for a gate, shut once the server has started (its
+    # warm-up passes) and opened again only once some request has been refused:
+    # while it is shut no batch ends, so the queue (8 rows) fills whatever the pace at
+    # which the 100 requests arrive (on a loaded machine, that pace alone could keep
+    # the queue below its bound).
+    gate = asyncio.Event()
+    gate.set()
+    step = serve.MLP.step
+
+    async def gated_step(self, rows):
+        await gate.wait()
+        return await step(self, rows)
+
+    monkeypatch.setattr(serve.MLP, "step", gated_step)
     options = {"max_queue_rows": 8, "max_rows_per_request": 8, "max_wait_seconds": 0.05}
     async with running_server(**options) as (_, port, _):
-        statuses = [
-            s
-            for s, _ in await asyncio.gather(
-                *(http(port, "POST", "/predict", body([[1.0] * 16])) for _ in range(100))
-            )
+        gate.clear()
+        requests = [
+            asyncio.create_task(http(port, "POST", "/predict", body([[1.0] * 16])))
+            for _ in range(100)
         ]
+        async with asyncio.timeout(30):
+            while not any(r.done() and r.result()[0] == 503 for r in requests):
+                await asyncio.sleep(0.01)
+        gate.set()
+        statuses = [s for s, _ in await asyncio.gather(*requests)]
         assert statuses.count(503) > 0 and statuses.count(200) > 0
         assert set(statuses) == {200, 503}
         status, document = await http(port, "POST", "/predict", body([[1.0] * 16]))
