@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from functools import partial
@@ -768,8 +769,9 @@ async def ready(value: Any = None) -> Any:
     after ordering them behind the current strategy's replica streams (so a
     ``PerReplica`` from ``run`` is covered inside ``strategy.scope()``). The
     devices are those holding ``value``'s CuPy arrays (distributed values and
-    nested structures included), or the current device when there are none.
-    Returns ``value``. Without GPUs it returns at once.
+    nested structures included), or the current device when there are none;
+    work queued with CuPy alone, before any GPU strategy was made, is waited
+    for too. Returns ``value``. Without GPUs it returns at once.
 
     A device error (say, an illegal address in a kernel) is raised here as
     CuPy's ``CUDARuntimeError`` rather than hanging.
@@ -783,12 +785,19 @@ async def ready(value: Any = None) -> Any:
     from . import _backends
 
     backend = _backends.loaded_gpu_backend()
-    if backend is None:  # no GPU device was ever asked for: nothing can be queued
-        return value
+    if backend is None and "cupy" not in sys.modules:
+        return value  # CuPy never imported: no GPU work can have been queued
     leaves = []
     for leaf in _nest.flatten(value):
         leaves.extend(leaf._values if isinstance(leaf, DistributedValues) else (leaf,))
     indices = {leaf.device.id for leaf in leaves if is_cupy_array(leaf)}
+    if backend is None:
+        # No GPU strategy made yet, but CuPy is imported: work may have been queued
+        # with CuPy alone (value's arrays, or on the current device). The GPU
+        # backend is loaded for it here; it returned at once, hiding a device error.
+        if not indices and visible_gpu_count() == 0:
+            return value
+        backend = backend_for(Device("GPU", min(indices, default=0)))
     if _context.current_replica() is None:
         strategy = _context.get_strategy()
         if strategy._slots[0].backend is backend:

@@ -327,6 +327,31 @@ async def test_ready_waits_for_the_replica_stream_without_blocking():
     assert done and value == 7.0 and waited >= 0.1
 
 
+def test_ready_waits_for_work_queued_with_cupy_alone():
+    """In a process that never made a GPU strategy, ready(x) still waits for the
+    kernel writing x (only a strategy loaded the GPU backend: it returned at once).
+
+    Runs in a subprocess: in this one, earlier tests have loaded the backend."""
+    script = textwrap.dedent(
+        f"""
+        import time, aiodist, cupy, numpy as np
+        slow_set = cupy.RawKernel({_SLOW_SET!r}, "slow_set")
+        async def main():
+            x = cupy.zeros(1, dtype=cupy.float32)
+            slow_set((1,), (1,), (x, np.float32(7.0), np.int64({_cycles(0.2)})))
+            start = time.perf_counter()
+            await aiodist.ready(x)
+            waited = time.perf_counter() - start
+            print("READY", cupy.cuda.get_current_stream().done, waited >= 0.1)
+        aiodist.run(main())
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert "READY True True" in done.stdout, done.stdout + done.stderr
+
+
 def test_a_device_error_is_raised_not_hung():
     """An illegal address in a kernel surfaces from aiodist.ready() as an error.
 
