@@ -836,8 +836,15 @@ def _check_gatherable(arrays: Sequence[Any], axis: int, where: str) -> None:
         gather_axis(array, axis, where)
 
     def others(a: Any) -> tuple:
-        return tuple(n for i, n in enumerate(a.shape) if i != along), a.ndim, a.dtype
+        return tuple(n for i, n in enumerate(a.shape) if i != along), a.ndim
 
+    # Dtypes apart: values of one shape and two dtypes were said to differ in shape.
+    if any(a.dtype != first.dtype for a in arrays):
+        seen = "; ".join(f"replica {i}: {leaf_text(a)}" for i, a in enumerate(arrays))
+        raise InvalidArgumentError(
+            f"{where}: per-replica values differ in dtype ({seen}); every replica must "
+            "hold the same dtype: cast them first, e.g. x.astype(np.float32)."
+        )
     if any(others(a) != others(first) for a in arrays):
         seen = "; ".join(f"replica {i}: {leaf_text(a)}" for i, a in enumerate(arrays))
         raise InvalidArgumentError(

@@ -246,6 +246,18 @@ async def test_gather(three):
         await three.gather(aiodist.PerReplica([np.ones((1, 2))] * 2 + [np.ones((2, 2))]), axis=1)
 
 
+async def test_gather_of_values_differing_in_dtype_says_so(two):
+    # Values of one shape and two dtypes were refused as differing in shape
+    # ("shapes may differ only along axis 0, but got ... float32[2]; ... int32[2]").
+    value = aiodist.PerReplica([np.ones(2, np.float32), np.ones(2, np.int32)])
+    expected = r"differ in dtype \(replica 0: float32\[2\]; replica 1: int32\[2\]\)"
+    with pytest.raises(aiodist.InvalidArgumentError, match=expected) as raised:
+        await two.gather(value, axis=0)
+    assert "shapes may differ" not in str(raised.value)
+    with two.scope(), pytest.raises(aiodist.InvalidArgumentError, match=expected):
+        await two.extended._cross_device_ops.gather(value, "cpu:0", 0)
+
+
 async def test_reduce_to_destinations(two):
     value = per_replica(two, lambda r: np.array([r + 1.0]))
     single = await two.extended.reduce_to("sum", value, destinations="cpu:1")
