@@ -748,6 +748,11 @@ def _normalise_axis(axis: Any, parts: list) -> tuple[int, ...]:
                 f"reduce: axis={axis!r}; expected an int, a tuple of ints, or None."
             ) from None
         for p in parts:
+            if p.ndim == 0:  # (the range below would read "0 <= axis < 0")
+                raise InvalidArgumentError(
+                    f"reduce: axis={axis!r} for rank-0 values ({p.dtype}[]), which have "
+                    "no axis to reduce along; reduce them with axis=None."
+                )
             if not -p.ndim <= a < p.ndim:
                 raise InvalidArgumentError(
                     f"reduce: axis={a} is out of range for a value of shape {p.shape}; "

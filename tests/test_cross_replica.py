@@ -156,6 +156,19 @@ async def test_reduce_errors(two):
         two.experimental_distribute_values_from_function(5)
 
 
+@pytest.mark.parametrize("axis", [0, -1, (0,)])
+async def test_reduce_with_axis_of_rank0_values_says_they_have_none(two, axis):
+    # A per-replica loss with axis=0 was refused as "axis=0 is out of range for a
+    # value of shape (); expected 0 <= axis < 0", a range no axis is in.
+    losses = aiodist.PerReplica([np.float32(1), np.float32(2)])
+    with pytest.raises(aiodist.InvalidArgumentError) as raised:
+        await two.reduce("sum", losses, axis=axis)
+    message = str(raised.value)
+    assert "rank-0 values (float32[])" in message and "with axis=None" in message
+    assert "0 <= axis < 0" not in message
+    assert float(await two.reduce("sum", losses, axis=None)) == 3.0
+
+
 async def test_structures_of_distributed_values_are_refused_with_the_way_out(two):
     # TF's Strategy.reduce/gather and reduce_to take one value; a dict or list of
     # PerReplica used to become an object array ("dtype object") or a "rank-0" error.
