@@ -7,7 +7,8 @@ Small inputs take the plain path (one ufunc call per input). Larger ones
 stream through it. From ``PARALLEL_MIN_BYTES`` on, the work is split into one
 slice per core: NumPy releases the GIL inside each ufunc call, so the slices
 run in parallel; the caller's thread takes the first slice, a process-wide
-thread pool the rest.
+thread pool the rest (the caller all of them once Python, shutting down, has
+stopped the pool: an event loop in another thread may outlive the main thread).
 
 The result of a large reduction goes into a buffer taken from a small pool.
 Collective results are read-only views of that buffer; a buffer is reused only
@@ -331,14 +332,21 @@ def combine(ufunc: Any, arrays: list) -> np.ndarray:
     bounds = [(lo, min(lo + per_worker, size)) for lo in range(0, size, per_worker)]
     # Each slice runs in a copy of the caller's context, so NumPy's errstate (a
     # context variable) applies to every slice, not only the caller's.
-    pending = [
-        _executor().submit(
-            contextvars.copy_context().run, _reduce_slice, ufunc, flats, flat_out, lo, hi, block
-        )
-        for lo, hi in bounds[1:]
-    ]
+    submit, pending = _executor().submit, []
     try:
-        _reduce_slice(ufunc, flats, flat_out, *bounds[0], block)
+        for lo, hi in bounds[1:]:
+            run = contextvars.copy_context().run
+            pending.append(submit(run, _reduce_slice, ufunc, flats, flat_out, lo, hi, block))
+    except RuntimeError:
+        # The pool takes no more work once Python has begun to shut down: when the
+        # main thread ends, the pool's threads are stopped, while an event loop in
+        # another thread may go on reducing. (Every large reduction there raised
+        # "cannot schedule new futures after shutdown".) The slices not handed
+        # out are reduced in this thread, after its own.
+        pass
+    try:
+        for lo, hi in [bounds[0], *bounds[1 + len(pending) :]]:
+            _reduce_slice(ufunc, flats, flat_out, lo, hi, block)
     finally:
         wait(pending)  # never leave a slice writing into `out` behind us
     for future in pending:

@@ -255,3 +255,25 @@ def test_forked_child_reduces_large_arrays():
         os.close(read)
         os.waitpid(pid, 0)
         sys.stdout.flush()
+
+
+async def test_large_reductions_go_on_once_python_has_stopped_the_pool(two, monkeypatch):
+    # When the main thread ends, Python shuts every thread pool down while an event
+    # loop in another (non-daemon) thread may run on; every large reduction there
+    # raised "cannot schedule new futures after shutdown". This shuts down a pool of
+    # the test's own, as Python does then (monkeypatch gives the real one back).
+    from concurrent.futures import ThreadPoolExecutor
+
+    from aiodist import _host_reduce
+
+    stopped = ThreadPoolExecutor(max_workers=2)
+    monkeypatch.setattr(_host_reduce, "_pool", stopped)
+    monkeypatch.setattr(_host_reduce, "_WORKERS", max(2, _host_reduce._WORKERS))
+    stopped.shutdown()
+
+    async def step():
+        ctx = aiodist.get_replica_context()
+        return await ctx.all_reduce("sum", np.full(LARGE, ctx.replica_id_in_sync_group + 1.0))
+
+    for result in two.experimental_local_results(await two.run(step)):
+        assert result.shape == (LARGE,) and (result == 3).all()
