@@ -1522,6 +1522,7 @@ from ._cross_device_ops import (  # noqa: E402
     resolve_destinations,
 )
 from ._options import CommunicationOptions  # noqa: E402
+from ._rendezvous import Rendezvous  # noqa: E402
 from ._replica_context import ARRAYS, AXIS, OP, OPTIONS  # noqa: E402
 from ._scheduler import RunGroup  # noqa: E402
 from ._strategy import (  # noqa: E402
@@ -1608,6 +1609,19 @@ async def _gather_leaves(
 
 class _WorkerGroup(RunGroup):
     """A run's local replicas; its collectives continue across workers."""
+
+    @property
+    def rendezvous(self) -> Rendezvous:
+        """``RunGroup.rendezvous``, whose messages name this worker's replicas by
+        their global ids (its local replica 0 is global replica
+        ``strategy._replica_offset``), as ``replica_id_in_sync_group`` does: a
+        message that reaches the other workers (a failure header) would otherwise
+        name their replicas."""
+        made = self._rendezvous is None
+        rendezvous = RunGroup.rendezvous.fget(self)
+        if made:
+            rendezvous.first_id = self.strategy._replica_offset
+        return rendezvous
 
     def _collective(self, number: int, signature: Any, payloads: list) -> Any:
         self._count_bytes(signature.name, payloads)

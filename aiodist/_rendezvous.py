@@ -114,13 +114,16 @@ class Signature(NamedTuple):
         return f"Signature({self.text})"
 
 
-def _ids(replicas: Sequence[int]) -> str:
-    return ", ".join(str(r) for r in sorted(replicas)) or "none"
+def _ids(replicas: Sequence[int], first: int = 0) -> str:
+    """``replicas`` (an engine's ids, 0 to N-1) as a person reads them: shifted by
+    ``first``, the id of the group's replica 0 where it is not 0 (a worker of a
+    multi-worker strategy holds global replicas ``first`` to ``first + N - 1``)."""
+    return ", ".join(str(first + r) for r in sorted(replicas)) or "none"
 
 
-def _replicas(replicas: Sequence[int]) -> str:
+def _replicas(replicas: Sequence[int], first: int = 0) -> str:
     word = "replica" if len(replicas) == 1 else "replicas"
-    return f"{word} {_ids(replicas)}"
+    return f"{word} {_ids(replicas, first)}"
 
 
 class _Call:
@@ -226,6 +229,7 @@ class Rendezvous:
         "_running",
         "_watch",
         "exited",
+        "first_id",
         "num_replicas",
         "tally",
     )
@@ -277,10 +281,20 @@ class Rendezvous:
         # pending() and stall reports. Not set here: made by the first such call
         # (_run_on), and read with getattr() elsewhere, so the runs that have none
         # (most) pay nothing for it.
+        # first_id: the id that messages give replica 0 (the ids here are always 0
+        # to N-1). Not set here either: an owner whose replicas have other ids (a
+        # worker of a multi-worker strategy, holding global replicas from its
+        # offset on) sets it, and messages read it with getattr() (see _first).
+
+    @property
+    def _first(self) -> int:
+        """The id messages give replica 0 (see ``first_id`` in ``__init__``)."""
+        return getattr(self, "first_id", 0)
 
     def __repr__(self) -> str:
+        first = self._first
         pending = ", ".join(
-            f"{call.label} (arrived {_ids(call.arrivals())})"
+            f"{call.label} (arrived {_ids(call.arrivals(), first)})"
             for call in list(self._pending.values())  # (a copy: see pending())
         )
         running = getattr(self, "_running", None)  # (see __init__)
@@ -687,11 +701,12 @@ class Rendezvous:
         if call.failure is not None or self._pending.get(call.number) is not call:
             return
         missing = self._missing(call)
+        first = self._first
         self._fail(
             call,
             RendezvousTimeoutError(
                 f"{call.label}: timed out after {call.timeout:g} s waiting for "
-                f"{_replicas(missing)}; {_replicas(call.arrivals())} arrived. "
+                f"{_replicas(missing, first)}; {_replicas(call.arrivals(), first)} arrived. "
                 f"Check that every missing replica reaches this call ({_ORDER_HINT}), or "
                 "raise CommunicationOptions(timeout_seconds=...) if they are just slow."
             ),
@@ -718,16 +733,20 @@ class Rendezvous:
         arrived = call.arrivals()
         waiting = [r for r in arrived if r not in self.exited]
         finished = [r for r in arrived if r in self.exited and r != replica]
+        first = self._first
         clauses = []
         if waiting:
-            clauses.append(f"{_replicas(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in it")
+            verb = "waits" if len(waiting) == 1 else "wait"
+            clauses.append(f"{_replicas(waiting, first)} {verb} in it")
         if finished:
             have = "has" if len(finished) == 1 else "have"
-            clauses.append(f"{_replicas(finished)} called it and {have} finished since")
+            clauses.append(f"{_replicas(finished, first)} called it and {have} finished since")
         if replica in arrived:
-            clauses.append(f"a task that replica {replica} left running called it after that")
+            clauses.append(
+                f"a task that replica {first + replica} left running called it after that"
+            )
         return (
-            f"{call.label}: replica {replica} {how} without calling it, while "
+            f"{call.label}: replica {first + replica} {how} without calling it, while "
             f"{' and '.join(clauses)}; {_ORDER_HINT}. "
             "Probably a replica skipped a collective on some condition."
         )
@@ -736,12 +755,13 @@ class Rendezvous:
         """Replica ``odd`` arrived with ``signature``, the first not to match: every
         replica that arrived before it matched the first arrival's."""
         matched = [replica for replica in call.arrivals() if replica != odd]
+        base = self._first
         first, other = call.first.text, signature.text
         # Different calls can read the same (two functions of one name).
         other = f"a different {other}" if other == first else other
-        calls = f"{_replicas(matched)} called {first}; replica {odd} called {other}"
+        calls = f"{_replicas(matched, base)} called {first}; replica {base + odd} called {other}"
         missing = self._missing(call)
-        not_yet = f" ({_replicas(missing)} not arrived yet)" if missing else ""
+        not_yet = f" ({_replicas(missing, base)} not arrived yet)" if missing else ""
         # Long structures' texts are cut short, and may read alike where they differ:
         # name the first place where they do.
         difference = call.first.difference(signature)
@@ -749,8 +769,8 @@ class Rendezvous:
             where, theirs, its = difference
             where = f"at {where}" if where else "at the top level"
             calls += (
-                f"; they first differ {where}: {theirs} on {_replicas(matched)}, "
-                f"{its} on replica {odd}"
+                f"; they first differ {where}: {theirs} on {_replicas(matched, base)}, "
+                f"{its} on replica {base + odd}"
             )
         return (
             f"collective #{call.number} does not match across replicas: {calls}{not_yet}; "

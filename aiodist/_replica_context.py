@@ -150,7 +150,7 @@ class ReplicaContext:
 
     def __repr__(self) -> str:
         return (
-            f"<ReplicaContext replica {self._replica_id} of "
+            f"<ReplicaContext replica {self.replica_id_in_sync_group} of "
             f"{self._strategy.num_replicas_in_sync} on {self._device}>"
         )
 
@@ -392,8 +392,9 @@ class ReplicaContext:
         leaves, skeleton, kinds = _nest.flatten_with_skeleton(value)
         arrays = self._arrays(group, leaves, "all_gather", kinds)
         shapes = []
+        where = self._where("all_gather")
         for array in arrays:
-            along = gather_axis(array, axis, f"all_gather on replica {self._replica_id}")
+            along = gather_axis(array, axis, where)
             shapes.append(tuple(-1 if i == along else n for i, n in enumerate(array.shape)))
         dtypes = [a.dtype for a in arrays]
         # The gathered axis is in the shapes (as -1), so axis=-1 and axis=1 of a rank-2
@@ -418,9 +419,9 @@ class ReplicaContext:
         if self._default_group is not None and replica is None and _strategy is None:
             return self._default_group
         raise ContextError(
-            f"ReplicaContext.{method}() of replica {self._replica_id} was called outside "
-            "that replica's function (for example from a merge_fn, another task, or "
-            f"cross-replica code). Call {method}() from the replica function itself; in "
+            f"ReplicaContext.{method}() of replica {self.replica_id_in_sync_group} was "
+            "called outside that replica's function (for example from a merge_fn, another "
+            f"task, or cross-replica code). Call {method}() from the replica function itself; in "
             "cross-replica context use strategy.reduce() or strategy.extended.reduce_to()."
         )
 
@@ -437,7 +438,7 @@ class ReplicaContext:
         return signature
 
     def _where(self, method: str) -> str:
-        return f"{method} on replica {self._replica_id}"
+        return f"{method} on replica {self.replica_id_in_sync_group}"  # (its global id)
 
     def _options(self, options: CommunicationOptions | None) -> CommunicationOptions:
         default = self._strategy._communication_options
@@ -458,7 +459,7 @@ class ReplicaContext:
         for leaf in leaves:
             if isinstance(leaf, DistributedValues):
                 raise InvalidArgumentError(
-                    f"{method} on replica {self._replica_id} got a {type(leaf).__name__}; "
+                    f"{self._where(method)} got a {type(leaf).__name__}; "
                     "inside a replica function pass this replica's own value (strategy.run "
                     "already unwrapped its arguments)."
                 )

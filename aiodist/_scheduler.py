@@ -867,8 +867,9 @@ class RunGroup:
             if not self._cancelling and self._failure is None:
                 # Cancelled by something other than this run: it cannot finish.
                 self._failure = ReplicaExitedError(
-                    f"replica {rid} was cancelled by something other than its run (for "
-                    "example asyncio.current_task().cancel() in the replica function), so "
+                    f"replica {self.strategy._replica_offset + rid} was cancelled by "
+                    "something other than its run (for example "
+                    "asyncio.current_task().cancel() in the replica function), so "
                     "the run has no result for it; raise an exception to fail a replica."
                 )
                 self._cancel_all()
@@ -909,8 +910,9 @@ class RunGroup:
             # it raised (the run fails with that, as with a replica's exception), or
             # returned without awaiting it.
             exc = task.exception() or ReplicaExitedError(
-                f"replica {rid}'s task ended without running the replica function: the "
-                "task factory's coroutine returned without awaiting the one it was given; "
+                f"replica {self.strategy._replica_offset + rid}'s task ended without "
+                "running the replica function: the task factory's coroutine returned "
+                "without awaiting the one it was given; "
                 "a task factory must return a task that awaits the coroutine it is given."
             )
         # A replica that ran and raised or was cancelled has told the run already

@@ -232,17 +232,18 @@ def _chain_of(task: Any) -> list[str]:
 
 def _report(group: RunGroup, row: InFlight, now: float) -> str:
     """The report of a call some replicas are missing from: where each one is."""
+    first = group.strategy._replica_offset  # (replicas by their global ids)
     lines = [
         f"{row.name} #{row.number} has waited {now - row.started:.1f} s: "
-        f"{_replicas(row.arrived)} arrived, {_replicas(row.missing)} missing. Where the "
-        "missing replicas are now:"
+        f"{_replicas(row.arrived, first)} arrived, {_replicas(row.missing, first)} missing. "
+        "Where the missing replicas are now:"
     ]
     for replica in row.missing:
         task = group._tasks[replica] if replica < len(group._tasks) else None
         if task is None or task.done():
-            lines.append(f"  replica {replica}: finished")
+            lines.append(f"  replica {first + replica}: finished")
             continue
-        lines.append(f"  replica {replica}:")
+        lines.append(f"  replica {first + replica}:")
         # No frame of the user's: a task not started yet, or (the usual case) a plain
         # replica function whose returned future (run_in_executor, gather) is awaited
         # by the scheduler's frame, which is not shown.
@@ -259,9 +260,10 @@ def _running_report(group: RunGroup, row: InFlight, now: float) -> str:
     """The report of a merge_call every replica has arrived at, whose merge_fn has
     not finished: which merge_fn, and where its task is."""
     merge_fn = merge_fn_text(row.payload)
+    arrived = _replicas(row.arrived, group.strategy._replica_offset)  # (global ids)
     lines = [
         f"{row.name} #{row.number} has waited {now - row.started:.1f} s: every replica "
-        f"arrived ({_replicas(row.arrived)}), and merge_fn {merge_fn} is still running "
+        f"arrived ({arrived}), and merge_fn {merge_fn} is still running "
         f"(for {now - row.running_since:.1f} s). Where it is now:"
     ]
     work = row.work

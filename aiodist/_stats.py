@@ -100,6 +100,7 @@ def snapshot(counters: Counters, live_groups: Iterable[Any], now: float) -> Stat
         rendezvous = group._rendezvous
         if rendezvous is None:
             continue
+        first = group.strategy._replica_offset  # (replicas by their global ids)
         for row in rendezvous.pending():
             merge_fn = None
             if row.name == "merge_call" and row.payload is not None:
@@ -109,8 +110,8 @@ def snapshot(counters: Counters, live_groups: Iterable[Any], now: float) -> Stat
                 RendezvousInFlight(
                     row.name,
                     row.number,
-                    tuple(row.arrived),
-                    tuple(row.missing),
+                    tuple(first + r for r in row.arrived),
+                    tuple(first + r for r in row.missing),
                     max(0.0, now - row.started),
                     "running" if running else "waiting",
                     max(0.0, now - row.running_since) if running else 0.0,

@@ -1242,6 +1242,47 @@ async def _failed_run_frees(strategy: aiodist.Strategy) -> dict:
     return {"alive": sum(ref() is not None for ref in held), "replicas": len(held)}
 
 
+async def _global_ids(strategy: aiodist.Strategy) -> dict:
+    """Worker 1 (global replicas 2 and 3) fails runs 1 and 2 in its own rendezvous:
+    replica 3 returns without the all_reduce replica 2 waits in, then calls MAX
+    where replica 2 calls SUM. Run 3 reads statistics() while replica 2 waits for
+    replica 3 (which waits to be seen missing); then each replica's context."""
+
+    async def step(kind):
+        ctx = aiodist.get_replica_context()
+        rid = ctx.replica_id_in_sync_group
+        if rid == 3 and kind == "exit":
+            return 0.0
+        if rid == 3 and kind == "mismatch":
+            return await ctx.all_reduce("max", 1.0)
+        seen = ""  # (text: every replica returns the same structure)
+        if rid == 3 and kind == "statistics":
+            for _ in range(1000):  # until replica 2's arrival shows (a few steps)
+                rows = strategy.statistics().rendezvous_in_flight
+                if rows:
+                    break
+                await asyncio.sleep(0)
+            seen = repr([(r.arrived, r.missing) for r in rows])
+        return [float(await ctx.all_reduce("sum", 1.0)), seen]
+
+    async def outcome(kind):
+        try:
+            return _plain(strategy.experimental_local_results(await strategy.run(step, (kind,))))
+        except aiodist.AiodistError as exc:
+            return [type(exc).__name__, str(exc)]
+
+    return {
+        "exit": await outcome("exit"),
+        "mismatch": await outcome("mismatch"),
+        "statistics": await outcome("statistics"),
+        "contexts": list(
+            strategy.experimental_local_results(
+                await strategy.run(lambda: repr(aiodist.get_replica_context()))
+            )
+        ),
+    }
+
+
 async def plain_values(strategy: aiodist.Strategy) -> dict:
     """strategy.reduce and reduce_to of a value that is not distributed: each
     outcome (the result, or the error's class and message), then a reduce that
@@ -1295,6 +1336,7 @@ _BOUNDED = (
     "plain_values",
     "runs_without_calls",
     "stray_call",
+    "global_ids",
 )  # a 30 s timeout: failing at once shows
 
 
@@ -1366,6 +1408,7 @@ def main() -> None:
         "runs_without_calls": _runs_without_calls,
         "stray_call": _stray_call,
         "plain_values": plain_values,
+        "global_ids": _global_ids,
     }[mode]
     _report(strategy, _run(work(strategy)))
 

@@ -596,6 +596,38 @@ def test_a_killed_worker_ends_the_job_instead_of_hanging():
     assert 1 not in results
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_messages_name_a_workers_replicas_by_their_global_ids(loop):
+    """Worker 1 holds global replicas 2 and 3. Before, its own rendezvous errors,
+    statistics and contexts named them 0 and 1, and its failure header carried
+    that to worker 0: "worker 1 (replicas 2-3) will not join it: ... replica 1
+    returned without calling it, while replica 0 waits in it" (worker 0's ids)."""
+    rc, results, output, _ = _program(2, "global_ids", [2, 2], loop=loop)
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == [0, 1], output[-3000:]
+    exited = "all_reduce #0: replica 3 returned without calling it, while replica 2 waits in it"
+    mismatch = (
+        "collective #0 does not match across replicas: replica 2 called "
+        "all_reduce(SUM, float64[]); replica 3 called all_reduce(MAX, float64[])"
+    )
+    for rank, result in results.items():
+        for kind, text in (("exit", exited), ("mismatch", mismatch)):
+            name, message = result[kind]
+            mine = "ReplicaExitedError" if kind == "exit" else "CollectiveMismatchError"
+            assert name == ("ReplicaExitedError" if rank == 0 else mine), result
+            assert text in message, message
+            if rank == 0:
+                assert "worker 1 (replicas 2-3) will not join it" in message, message
+    assert results[0]["statistics"] == [[4.0, ""], [4.0, ""]], results
+    assert results[1]["statistics"] == [[4.0, ""], [4.0, "[((2,), (3,))]"]], results
+    assert results[0]["contexts"] == [
+        f"<ReplicaContext replica {r} of 4 on /device:CPU:{r}>" for r in (0, 1)
+    ]
+    assert results[1]["contexts"] == [
+        f"<ReplicaContext replica {r} of 4 on /device:CPU:{r - 2}>" for r in (2, 3)
+    ]
+
+
 def test_input_contexts_name_workers_and_global_replicas():
     rc, results, output, _ = _program(2, "inputs", [2, 1])
     assert rc == 0, output[-3000:]
