@@ -63,6 +63,7 @@ import functools
 import hashlib
 import json
 import math
+import numbers
 import queue
 import sys
 import threading
@@ -1504,6 +1505,16 @@ def local_devices(devices_per_worker: Any) -> tuple[Device, ...]:
     elif isinstance(devices_per_worker, int) and not isinstance(devices_per_worker, bool):
         count = whole_number(devices_per_worker, "devices_per_worker", 1)
         devices = tuple(Device("CPU", i) for i in range(count))
+    elif isinstance(devices_per_worker, numbers.Number | str | bytes):
+        # (One machine's device-list message would leave out the count this takes,
+        # and for a string suggest it in a list, or OneDeviceStrategy, even where
+        # it is no device.)
+        kind = type(devices_per_worker).__name__
+        raise DeviceError(
+            f"devices_per_worker={devices_per_worker!r} (of type {kind}); expected None "
+            "(the default devices), a Python int k >= 1 (CPU devices cpu:0 ... cpu:k-1) "
+            "or a list of device strings such as ['cpu:0', 'cpu:1'] or ['GPU:0']."
+        )
     else:
         devices = _parse_devices(devices_per_worker, "devices_per_worker")
     return devices

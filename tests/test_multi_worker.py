@@ -735,6 +735,20 @@ def test_a_replica_count_below_one_is_refused(bad):
         aiodist.MultiWorkerMirroredStrategy(bad)
 
 
+@pytest.mark.parametrize("bad", [2.5, np.int64(2), True, "cpu:0", "cpux"])
+def test_a_devices_per_worker_of_another_kind_is_refused_naming_every_accepted_form(bad):
+    """Before, these got one machine's device-list message: "expected a list of
+    device strings" (not the count that devices_per_worker also takes), and for a
+    string, "e.g. ['cpux'] (or use OneDeviceStrategy)", even where it is no device."""
+    with pytest.raises(aiodist.DeviceError) as caught:
+        aiodist.MultiWorkerMirroredStrategy(bad)
+    message = str(caught.value)
+    assert message.startswith(f"devices_per_worker={bad!r} (of type {type(bad).__name__}); ")
+    assert "a Python int k >= 1 (CPU devices cpu:0 ... cpu:k-1)" in message
+    assert "a list of device strings such as ['cpu:0', 'cpu:1']" in message
+    assert "OneDeviceStrategy" not in message
+
+
 def test_concurrent_runs_are_serialised_and_all_correct():
     rc, results, output, _ = _program(2, "concurrent", [2, 2])
     assert rc == 0, output[-3000:]
