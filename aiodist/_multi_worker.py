@@ -1404,9 +1404,15 @@ class World:
         if not self._wait_now(future, timeout):
             self._stalled(what, timeout)
 
-    def broadcast_now(self, array: np.ndarray, what: str, timeout: float | None) -> np.ndarray:
-        """Worker 0's ``array`` on every worker (synchronous; shapes must agree)."""
-        self.agree_now(what, _broadcast_key(array), timeout)
+    def broadcast_now(
+        self, array: np.ndarray, what: str, timeout: float | None, name: str | None = None
+    ) -> np.ndarray:
+        """Worker 0's ``array`` on every worker (synchronous; shapes must agree, and
+        ``name``, what the value is of, where given: a variable's)."""
+        key = _broadcast_key(array)
+        if name is not None:
+            key = f"{key} of {name!r}"
+        self.agree_now(what, key, timeout)
         buffer, start = self._broadcast_call(array)
         self._data_now(start, what, timeout)
         return buffer

@@ -477,9 +477,12 @@ class Variable:
         self._strategy = strategy
         if strategy is not None and strategy._world is not None:
             # Every worker's copies start from worker 0's value (a synchronous
-            # rendezvous of the workers, at the same point of the program).
+            # rendezvous of the workers, at the same point of the program). The name
+            # must agree too: two variables of one shape created in another order on
+            # one worker would otherwise take each other's values, silently.
             timeout = strategy._communication_options.timeout_seconds
-            host = strategy._world.broadcast_now(host, f"Variable {self._name!r}", timeout)
+            what = f"Variable {self._name!r}"
+            host = strategy._world.broadcast_now(host, what, timeout, self._name)
         # Each local replica's device, and the index of the copy it reads and writes:
         # one copy per replica, or, for a mirrored variable, one per distinct device
         # (SPEC 9), shared by the replicas on it.

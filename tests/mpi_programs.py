@@ -1283,6 +1283,23 @@ async def _global_ids(strategy: aiodist.Strategy) -> dict:
     }
 
 
+async def _variable_order(strategy: aiodist.Strategy) -> dict:
+    """Worker 1 creates variables ``b`` and ``a`` (one shape) in the other order than
+    worker 0; then every worker creates ``c`` alike and reduces. Before, ``a`` took
+    ``b``'s initial value on worker 1 and ``b`` took ``a``'s, silently."""
+    out = {}
+    with strategy.scope():
+        try:
+            for name in ("a", "b") if strategy.worker_index == 0 else ("b", "a"):
+                aiodist.Variable(np.full(2, ord(name)), name=name)
+        except aiodist.CollectiveMismatchError as exc:
+            out["created"] = str(exc)
+        c = aiodist.Variable(np.full(2, strategy.worker_index + 1.0), name="c")
+        out["c"] = _plain(c.numpy())
+        out["reduce"] = _plain(await strategy.reduce("sum", np.float64(1), axis=None))
+    return out
+
+
 async def plain_values(strategy: aiodist.Strategy) -> dict:
     """strategy.reduce and reduce_to of a value that is not distributed: each
     outcome (the result, or the error's class and message), then a reduce that
@@ -1337,6 +1354,7 @@ _BOUNDED = (
     "runs_without_calls",
     "stray_call",
     "global_ids",
+    "variable_order",
 )  # a 30 s timeout: failing at once shows
 
 
@@ -1409,6 +1427,7 @@ def main() -> None:
         "stray_call": _stray_call,
         "plain_values": plain_values,
         "global_ids": _global_ids,
+        "variable_order": _variable_order,
     }[mode]
     _report(strategy, _run(work(strategy)))
 

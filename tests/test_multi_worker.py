@@ -628,6 +628,21 @@ def test_messages_name_a_workers_replicas_by_their_global_ids(loop):
     ]
 
 
+def test_variables_created_in_another_order_on_one_worker_are_a_mismatch():
+    """Worker 1 creates variables b and a (of one shape) where worker 0 creates a
+    and b. Before, each took the other's initial value from worker 0, silently
+    (a = [98, 98] on worker 1, [97, 97] on worker 0)."""
+    rc, results, output, _ = _program(2, "variable_order", [1, 1])
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == [0, 1], output[-3000:]
+    for result in results.values():
+        assert (
+            "worker 0 (replica 0): Variable 'a' (cross-worker operation #2); "
+            "worker 1 (replica 1): Variable 'b' (cross-worker operation #2)"
+        ) in result["created"], result
+        assert result["c"] == [1.0, 1.0] and result["reduce"] == 2.0, result
+
+
 def test_input_contexts_name_workers_and_global_replicas():
     rc, results, output, _ = _program(2, "inputs", [2, 1])
     assert rc == 0, output[-3000:]
