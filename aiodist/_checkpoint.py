@@ -121,6 +121,13 @@ async def save_variables(
             f"save_variables: cannot write {str(path)!r}: the folder "
             f"{str(target.parent)!r} does not exist; create it first."
         )
+    if target.is_dir():
+        # The rename over it failed only after the whole file was written, naming the
+        # temporary file ("Is a directory: '.ckpt.1f2e….tmp' -> 'ckpt'").
+        raise InvalidArgumentError(
+            f"save_variables: cannot write {str(path)!r}: it is a folder; give the path "
+            f"of a file in it, e.g. {str(target / 'checkpoint.npz')!r}."
+        )
     snapshot = {name: np.array(v._saved_value(), copy=True) for name, v in named.items()}
     await asyncio.to_thread(_atomic_write, target, snapshot)
     return target

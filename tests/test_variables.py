@@ -954,10 +954,15 @@ async def test_checkpoint_paths_that_cannot_be_used_are_named(two, tmp_path):
         w = aiodist.Variable(np.zeros(2), name="w")
     with pytest.raises(ValueError, match=r"folder '.*missing' does not exist"):
         await aiodist.save_variables(tmp_path / "missing" / "c.npz", [w])
+    # A folder: the rename over it failed once the file was written, naming the
+    # temporary file (IsADirectoryError: '.folder.1f2e....tmp' -> 'folder').
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(ValueError, match=r"cannot write '.*folder': it is a folder"):
+        await aiodist.save_variables(tmp_path / "folder", [w])
+    assert [p.name for p in tmp_path.iterdir()] == ["folder"]
     (tmp_path / "empty.npz").write_bytes(b"")
     (tmp_path / "text.npz").write_text("not a checkpoint")
     np.save(tmp_path / "one.npy", np.zeros(2))
-    (tmp_path / "folder").mkdir()
     for name in ("empty.npz", "text.npz", "one.npy", "folder"):
         with pytest.raises(
             ValueError, match=rf"'.*{name}' is not a checkpoint that save_variables"
