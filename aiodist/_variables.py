@@ -382,6 +382,9 @@ class VariableCopy:
 class Variable:
     """A variable: plain outside any scope, distributed inside ``strategy.scope()``.
 
+    The default strategy counts as no strategy: in its ``run`` and ``merge_fn`` (a
+    ``merge_call`` of the default replica context) the variable is plain too.
+
     Args:
         initial_value: an array, scalar or nested list of numbers (or a
             zero-argument callable returning one).
@@ -407,14 +410,17 @@ class Variable:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Variable:
         if cls is Variable:
-            state = _context.current_state()
-            if state[_context.REPLICA] is not None:
-                raise ContextError(
-                    "aiodist.Variable() was called inside a replica function; create "
-                    "variables in cross-replica context, under `with strategy.scope():`, "
-                    "and pass them to strategy.run."
-                )
-            if state[_context.STRATEGY] is not None:
+            # The default strategy current (in its own run or merge_fn, such as a
+            # merge_call of the default replica context outside any scope) is no
+            # strategy, as in TF: a plain variable, as outside any scope.
+            strategy = _context.non_default(_context.current_state()[_context.STRATEGY])
+            if strategy is not None:
+                if _context.current_replica() is not None:
+                    raise ContextError(
+                        "aiodist.Variable() was called inside a replica function; create "
+                        "variables in cross-replica context, under `with strategy.scope():`, "
+                        "and pass them to strategy.run."
+                    )
                 sync = member(
                     VariableSynchronization,
                     kwargs.get("synchronization", VariableSynchronization.AUTO),
@@ -468,7 +474,11 @@ class Variable:
                 f"{self._aggregation.name} (a sum of bools is not a bool); use NONE or "
                 "ONLY_FIRST_REPLICA, or an integer dtype."
             )
-        strategy = None if type(self) is Variable else _context.current_state()[_context.STRATEGY]
+        strategy = (
+            None
+            if type(self) is Variable
+            else _context.non_default(_context.current_state()[_context.STRATEGY])
+        )
         if type(self) is not Variable and strategy is None:
             raise ContextError(
                 f"{type(self).__name__} {self._name!r} was created outside any strategy "

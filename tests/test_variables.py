@@ -55,6 +55,33 @@ async def test_creating_in_replica_context_raises(two):
         await two.run(fn)
 
 
+async def test_the_default_strategys_run_and_merge_fn_make_plain_variables():
+    """The default strategy counts as no strategy there (as in TF). A merge_fn of the
+    default replica context (merge_call outside any scope) made a MirroredVariable of
+    the default strategy: variable_created_in_scope() said False, and its
+    assign_add in the default strategy's run raised "needs an aggregation", where
+    one made outside any scope is plain and counts. Its run refused Variable()."""
+    default = aiodist.get_strategy()
+    made = []
+
+    def merge_fn(strategy):
+        made.append(aiodist.Variable(1.0, name="in_merge_fn"))
+
+    async def step():
+        await aiodist.get_replica_context().merge_call(merge_fn)
+        made.append(aiodist.Variable(1.0, name="in_run"))
+        for v in made:
+            await v.assign_add(1.0)
+
+    await aiodist.get_replica_context().merge_call(merge_fn)
+    await default.run(step)
+    assert [type(v) for v in made] == [aiodist.Variable] * 3
+    assert [float(v) for v in made] == [2.0, 2.0, 2.0]
+    assert all(default.extended.variable_created_in_scope(v) for v in made)
+    with pytest.raises(aiodist.ContextError, match=r"outside any strategy scope"):
+        await aiodist.get_replica_context().merge_call(lambda s: aiodist.MirroredVariable(1.0))
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match=r"aggregation='median'; expected one of NONE, SUM"):
         aiodist.Variable(1.0, aggregation="median")
