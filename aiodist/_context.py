@@ -287,6 +287,6 @@ def require_cross_replica(strategy: Strategy | None, method: str) -> None:
             f".merge_call(merge_fn)` and call {method}() from merge_fn, or use the "
             "ReplicaContext collectives (all_reduce, all_gather)."
         )
-    current = state[STRATEGY]
+    current = non_default(state[STRATEGY])  # (the default one's merge_fn: no strategy)
     if strategy is not None and current is not None and current is not strategy:
         raise _mixing(current, strategy)

@@ -409,7 +409,9 @@ class Strategy:
                 "inner function directly, or use get_replica_context().merge_call() to "
                 "reach cross-replica context."
             )
-        if current is not None and current is not self:
+        # (The default strategy current, in its merge_fn, is no strategy: as outside
+        # any scope. Tested last: the usual run has current None or self.)
+        if current is not None and current is not self and _context.non_default(current):
             raise _context._mixing(current, self)
         if not callable(fn):
             raise not_callable(fn, f"run: fn={fn!r} is not callable.")

@@ -7,6 +7,7 @@ import contextvars
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 import aiodist
@@ -49,6 +50,32 @@ async def test_the_default_strategys_run_and_merge_fn_are_no_strategy(two):
         "merge": (False, True),
     }
     assert await aiodist.get_replica_context().merge_call(merge_fn) == (False, True)
+
+
+async def test_another_strategy_runs_and_reduces_in_the_default_strategys_merge_fn(two):
+    """There the default strategy is no strategy (has_strategy() is False, another
+    scope may be entered), so another strategy's run and cross-replica methods work
+    as outside any scope. They raised "Mixing different aiodist strategies: ... was
+    used while <default strategy> is current"."""
+    value = aiodist.PerReplica([1.0, 2.0], cpu_devices(2))
+
+    async def replica_id():
+        return float(aiodist.get_replica_context().replica_id_in_sync_group)
+
+    async def merge_fn(strategy):
+        ids = await two.run(replica_id)
+        return (
+            two.experimental_local_results(ids),
+            float(await two.reduce("sum", value, axis=None)),
+            float(np.asarray(await two.extended.reduce_to("sum", value, "cpu:0"))),
+        )
+
+    async def step():
+        return await aiodist.get_replica_context().merge_call(merge_fn)
+
+    expected = ((0.0, 1.0), 3.0, 3.0)
+    assert await aiodist.get_replica_context().merge_call(merge_fn) == expected
+    assert await aiodist.get_strategy().run(step) == expected
 
 
 def test_scope_enters_cross_replica_context(two):
