@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _nest
+from . import _context, _nest
 from ._checks import not_callable, seconds, short_repr, whole_number
 from ._errors import AiodistError, InvalidArgumentError
 from ._input import split_batch
@@ -243,7 +243,9 @@ class Batcher:
         ``stop()`` is draining waits for the stop to end, then starts. A batcher left serving on an
         event loop that has since closed (a test that never called ``stop()``) starts
         afresh on this one. ``warmup_rows`` are rows as a request's (a 2-D array with at
-        least one row); anything else raises ``InvalidArgumentError`` at once."""
+        least one row); anything else raises ``InvalidArgumentError`` at once. The
+        warm-up and every batch run outside any strategy scope, whatever scope (or
+        replica function) the caller is in."""
         if warmup_rows is not None:
             warmup_rows = _as_rows(warmup_rows, "start: warmup_rows")
         self._forget_a_closed_loop()
@@ -310,15 +312,23 @@ class Batcher:
         self._queued_rows = 0
 
     async def _start(self, warmup_rows: np.ndarray | None) -> None:
+        # The warm-up and the batching task (and so every batch) run outside any
+        # scope, whatever start()'s caller is in: a task keeps the context it was
+        # made in, and one started under another strategy's scope failed every
+        # batch with "Mixing different aiodist strategies" long after that scope
+        # was left.
+        loop = asyncio.get_running_loop()
         if warmup_rows is not None:
-            await self._run_batch(warmup_rows)
+            await loop.create_task(
+                self._run_batch(warmup_rows), context=_context.outside_any_scope()
+            )
         if self._stop_requested:  # stop() ran during the warm-up: it wins
             return
         self._wakeup = asyncio.Event()
         self._slots = asyncio.Semaphore(self.max_batches_in_flight)
         self._accepting = True
-        self._loop_task = asyncio.get_running_loop().create_task(
-            self._batching(), name="aiodist-batcher"
+        self._loop_task = loop.create_task(
+            self._batching(), name="aiodist-batcher", context=_context.outside_any_scope()
         )
         self._loop_task.add_done_callback(self._batching_ended)
 

@@ -51,6 +51,7 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "outside_any_scope",
     "register_default_strategy",
     "require_cross_replica",
     "scope_of",
@@ -91,6 +92,15 @@ def current_replica() -> ReplicaContext | None:
 
 
 set_state = _STATE.set  # the ContextVar's own (C) method: called once per replica per run
+
+
+def outside_any_scope() -> contextvars.Context:
+    """A copy of the current context in which no strategy is current: for a task that
+    serves on after its starter has left the scope or replica it started it in (a
+    Batcher's), which would otherwise keep that state for good."""
+    context = contextvars.copy_context()
+    context.run(_STATE.set, _OUTSIDE)
+    return context
 
 
 def get_strategy() -> Strategy:

@@ -54,6 +54,24 @@ async def test_batcher_answers_each_caller_its_own_rows(num_replicas):
     await batcher.stop()
 
 
+async def test_batches_run_outside_the_scope_that_start_was_called_in(two, three):
+    """A task keeps the context it was made in: a batcher started under another
+    strategy's scope (a lifespan building another model there) failed every batch,
+    long after that scope was left, with "Mixing different aiodist strategies", and
+    its warm-up failed at once."""
+
+    async def step(rows):
+        return rows * float(aiodist.get_strategy() is two)
+
+    for warmup in (None, np.zeros((1, 4))):
+        batcher = Batcher(two, step)
+        with three.scope():
+            await batcher.start(warmup)
+            assert aiodist.get_strategy() is three  # the caller's own scope is kept
+        np.testing.assert_array_equal(await batcher.submit(np.ones((2, 4))), np.ones((2, 4)))
+        await batcher.stop()
+
+
 async def test_cancelled_caller_is_dropped_without_disturbing_others(two):
     gate = asyncio.Event()
     seen: list[float] = []
