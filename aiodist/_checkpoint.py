@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import threading
 import zipfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -85,7 +86,28 @@ def _create_temporary(path: Path) -> tuple[int, str]:
             continue
 
 
-def _atomic_write(path: Path, arrays: dict[str, np.ndarray]) -> None:
+class _Abandoned(Exception):
+    """The save was cancelled before its file was in place (raised in its thread)."""
+
+
+class _Writing:
+    """A save's thread and its caller agree, under one lock, on whether the file is
+    put in place: a thread is not cancelled with the task awaiting it, and a
+    cancelled save (``wait_for`` timing out, a shutdown) renamed its file over the
+    target later, possibly over that of a save started after the cancellation."""
+
+    __slots__ = ("abandoned", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.abandoned = False
+
+    def check(self) -> None:
+        if self.abandoned:
+            raise _Abandoned
+
+
+def _atomic_write(path: Path, arrays: dict[str, np.ndarray], writing: _Writing) -> None:
     fd, temporary = _create_temporary(path)
     try:
         with os.fdopen(fd, "wb") as file:
@@ -94,11 +116,17 @@ def _atomic_write(path: Path, arrays: dict[str, np.ndarray]) -> None:
             # "allow_pickle" for one of its own parameters.
             with zipfile.ZipFile(file, "w", compression=zipfile.ZIP_STORED) as archive:
                 for name, array in arrays.items():
+                    writing.check()  # (no more writing once nobody waits for it)
                     with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
                         np.lib.format.write_array(member, array, allow_pickle=False)
             file.flush()
             os.fsync(file.fileno())
-        os.replace(temporary, path)
+        with writing.lock:
+            writing.check()
+            os.replace(temporary, path)
+    except _Abandoned:
+        Path(temporary).unlink(missing_ok=True)
+        return
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
@@ -112,7 +140,10 @@ def _atomic_write(path: Path, arrays: dict[str, np.ndarray]) -> None:
 async def save_variables(
     path: str | os.PathLike, variables: Mapping[str, Variable] | Sequence[Variable]
 ) -> Path:
-    """Save ``variables`` to ``path`` (an ``.npz`` file), atomically. Returns the path."""
+    """Save ``variables`` to ``path`` (an ``.npz`` file), atomically. Returns the path.
+
+    The values saved are those when the call is made. A save cancelled before its
+    file is in place leaves the file at ``path`` as it was."""
     _require_outside_replicas("save_variables")
     named = _by_name(variables, "save_variables")
     target = Path(path)
@@ -129,7 +160,13 @@ async def save_variables(
             f"of a file in it, e.g. {str(target / 'checkpoint.npz')!r}."
         )
     snapshot = {name: np.array(v._saved_value(), copy=True) for name, v in named.items()}
-    await asyncio.to_thread(_atomic_write, target, snapshot)
+    writing = _Writing()
+    try:
+        await asyncio.to_thread(_atomic_write, target, snapshot, writing)
+    except asyncio.CancelledError:
+        with writing.lock:  # (waits only for a rename under way: then the save is done)
+            writing.abandoned = True
+        raise
     return target
 
 

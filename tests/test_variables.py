@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import aiodist
-from tests.conftest import cpu_devices, uvloop
+from tests.conftest import cpu_devices, uvloop, wait_until
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -820,6 +820,34 @@ async def test_save_is_atomic_under_a_killed_writer(tmp_path):
     restored = aiodist.Variable(np.zeros(4), name="w")
     await aiodist.restore_variables(path, [restored])
     np.testing.assert_array_equal(restored.numpy(), [0, 1, 2, 3])
+
+
+async def test_a_cancelled_save_leaves_the_file_as_it_was(tmp_path):
+    """A thread is not cancelled with the task awaiting it: a save cancelled (by
+    wait_for's timeout, a shutdown) went on writing and renamed its file over the
+    checkpoint afterwards (over one saved after the cancellation, too)."""
+    path = tmp_path / "model.npz"
+    w = aiodist.Variable(np.zeros(20_000_000, np.float32), name="w")
+    await aiodist.save_variables(path, [w])
+    await w.assign(np.ones(w.shape, np.float32))
+
+    def temporary_files():
+        return [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+    save = asyncio.create_task(aiodist.save_variables(path, [w]))
+    await wait_until(temporary_files, "the save writes its temporary file")
+    save.cancel()  # while its thread writes 80 MB
+    with pytest.raises(asyncio.CancelledError):
+        await save
+    for _ in range(4000):  # until the thread has given up (or, before, renamed)
+        if not temporary_files():
+            break
+        await asyncio.sleep(0.005)
+    else:
+        pytest.fail("the cancelled save's temporary file stayed")
+    restored = aiodist.Variable(np.ones(w.shape, np.float32), name="w")
+    await aiodist.restore_variables(path, [restored])
+    assert not restored.numpy().any()  # the first save's zeros
 
 
 async def test_checkpoints_refused_inside_replicas(two, tmp_path):
