@@ -70,6 +70,12 @@ def _entries(node: list | tuple | dict) -> list[tuple[object, object]]:
     return list(enumerate(node))
 
 
+def _by_form(mapping: dict) -> dict:
+    """``mapping``'s keys by their forms (``_nest.key_forms``)."""
+    keys, forms = _nest.key_forms(mapping)
+    return dict(zip(forms, keys, strict=True))
+
+
 def _a(leaf: object) -> str:
     """``a NoneType``, ``a set``: a leaf's type, for a message."""
     name = type(leaf).__name__
@@ -126,21 +132,24 @@ def first_difference(
             return (path, leaf_text(a), leaf_text(b))
         if not nested_a or not nested_b or type(a) is not type(b):
             return (path, _node_text(a), _node_text(b))
-        entries_a, entries_b = _entries(a), _entries(b)
         if isinstance(a, dict):
-            # Over both dicts' keys in visiting order: the first that one of them
-            # lacks, or under which they differ.
-            keys_b = dict(entries_b)
-            keys_a = dict(entries_a)
-            for key in _nest.dict_keys({**keys_a, **keys_b}):
-                if key not in keys_b:
-                    return (path + _step(a, key), _node_text(keys_a[key]), "missing")
-                if key not in keys_a:
-                    return (path + _step(b, key), "missing", _node_text(keys_b[key]))
-                found = visit(keys_a[key], keys_b[key], path + _step(a, key))
+            # Over both dicts' key forms (as replicas' keys are compared: a NaN
+            # key matches the other's NaN) in visiting order: the first that one
+            # of them lacks, or under which they differ.
+            keys_a, keys_b = _by_form(a), _by_form(b)
+            for form in _nest.dict_keys({**keys_a, **keys_b}):
+                if form not in keys_b:
+                    key = keys_a[form]
+                    return (path + _step(a, key), _node_text(a[key]), "missing")
+                if form not in keys_a:
+                    key = keys_b[form]
+                    return (path + _step(b, key), "missing", _node_text(b[key]))
+                key = keys_a[form]
+                found = visit(a[key], b[keys_b[form]], path + _step(a, key))
                 if found is not None:
                     return found
             return None
+        entries_a, entries_b = _entries(a), _entries(b)
         for (key, child_a), (_, child_b) in zip(entries_a, entries_b, strict=False):
             found = visit(child_a, child_b, path + _step(a, key))
             if found is not None:

@@ -3,16 +3,24 @@
 Everything else is a leaf (arrays, scalars, None, DistributedValues, ...). Dict
 entries are visited in sorted key order, so two dicts with the same keys flatten
 alike whatever order they were built in. Keys that do not sort together (an int
-and a str; TF's nest refuses them) are ordered by their type's name, then by
-value, or by ``repr`` where even that fails: an order that still does not depend
-on the insertion order, so replicas that build one dict in different orders
-agree on its leaves (their all_reduce matches).
+and a str; TF's nest refuses them), or whose ``<`` is no total order (frozensets
+order by subset, a NaN by nothing), are ordered by their type's name, then by
+value (numbers of any type first, by value; a frozenset by its members, sorted;
+a NaN after the numbers), or by ``repr`` where even that fails: an order that
+still does not depend on the insertion order, so replicas that build one dict in
+different orders agree on its leaves (their all_reduce matches).
+
+Replicas' keys are compared by their *form* (``key_forms``): the key itself, but
+a NaN, which equals no other NaN (each replica makes its own), as one marker, in
+tuples and frozensets too; so ``{float("nan"): x}`` on every replica is one
+structure.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
+from numbers import Real
 from typing import Any
 
 __all__ = [
@@ -24,6 +32,7 @@ __all__ = [
     "flatten",
     "flatten_with_skeleton",
     "is_nested",
+    "key_forms",
     "map_structure",
     "pack_as",
     "rebuild",
@@ -42,23 +51,110 @@ def _is_namedtuple(value: object) -> bool:
 def dict_keys(mapping: dict) -> list:
     """A dict's keys in visiting order (also for error messages' paths)."""
     try:
-        return sorted(mapping)
+        keys = sorted(mapping)
     except TypeError:  # keys of several types: see the module docstring
-        pass
+        return _canonical(mapping)[0]
+    # str keys, the common case: sorted() compared every key with another, and a
+    # str compares with no other built-in type, so all are str, in their one order.
+    if not keys or type(keys[0]) is str or _totally_ordered(keys):
+        return keys
+    return _canonical(mapping)[0]
+
+
+def key_forms(mapping: dict) -> tuple[list, list]:
+    """``(dict_keys(mapping), their forms)``: what replicas' dicts are compared by
+    (see the module docstring); the forms are the keys themselves, the same list,
+    where no key needs another."""
     try:
-        return sorted(mapping, key=_by_type_then_value)
+        keys = sorted(mapping)
     except TypeError:
-        return sorted(mapping, key=_by_type_then_repr)
+        return _canonical(mapping)
+    if not keys or type(keys[0]) is str or _totally_ordered(keys):  # as dict_keys
+        return keys, keys
+    return _canonical(mapping)
 
 
-def _by_type_then_value(key: object) -> tuple:
+def _totally_ordered(keys: list) -> bool:
+    """Whether sorted ``keys`` are all ints, bytes or non-NaN floats (bools): keys
+    whose ``<`` is a total order and that equal themselves, so their sorted order
+    is their only one and each is its own form."""
+    for key in keys:
+        kind = type(key)
+        if kind is int or kind is bytes or kind is bool or (kind is float and key == key):
+            continue
+        return False
+    return True
+
+
+class _NaN:
+    """The form of every NaN key (see the module docstring)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "nan"
+
+
+_NAN = _NaN()
+
+
+def _form(key: object) -> object:
+    """``key`` as replicas' dicts are compared by: a NaN as ``_NAN``, in tuples and
+    frozensets too (a namedtuple becomes a tuple); any other key as itself."""
     kind = type(key)
-    return (kind.__module__, kind.__qualname__, key)
+    if kind is str or kind is int:
+        return key
+    if isinstance(key, tuple):
+        return tuple(map(_form, key))
+    if isinstance(key, frozenset):
+        return frozenset(map(_form, key))
+    try:
+        if key != key:  # a NaN: float, NumPy or Decimal
+            return _NAN
+    except Exception:  # a key whose comparison fails: as it is
+        pass
+    return key
 
 
-def _by_type_then_repr(key: object) -> tuple:
-    kind = type(key)
-    return (kind.__module__, kind.__qualname__, repr(key))
+def _canonical(mapping: dict) -> tuple[list, list]:
+    """``key_forms`` of keys that do not sort by ``<`` alone: ordered by their forms'
+    ``_sort_key``, by value where those compare, else by ``repr``. (Equal forms,
+    such as two NaNs of one dict, keep their insertion order.)"""
+    pairs = [(_form(key), key) for key in mapping]
+    try:
+        pairs.sort(key=_by_value)
+    except TypeError:
+        pairs.sort(key=_by_repr)
+    return [key for _, key in pairs], [form for form, _ in pairs]
+
+
+def _sort_key(form: object, by_repr: bool) -> tuple:
+    """A form's place: its type's name, then its value (``repr`` when ``by_repr``),
+    a tuple's items and a frozenset's members (sorted) each placed so too; real
+    numbers first, by value."""
+    kind = type(form)
+    if kind is frozenset:
+        value: object = tuple(sorted(_sort_key(member, by_repr) for member in form))
+    elif kind is tuple:
+        value = tuple(_sort_key(item, by_repr) for item in form)
+    elif form is _NAN:
+        value = ""  # compares with nothing but itself: one NaN key's place
+    elif isinstance(form, Real):
+        # Real numbers by value, whatever their type (an int, a NumPy float), as
+        # sorted() orders them: a dict of such keys is ordered so whether its keys
+        # came here or sorted alone (dict_keys) on another replica.
+        return ("", "", form)
+    else:
+        value = repr(form) if by_repr else form
+    return (kind.__module__, kind.__qualname__, value)
+
+
+def _by_value(pair: tuple) -> tuple:
+    return _sort_key(pair[0], False)
+
+
+def _by_repr(pair: tuple) -> tuple:
+    return _sort_key(pair[0], True)
 
 
 def children(value: list | tuple | dict) -> list:
@@ -177,7 +273,10 @@ def map_structure(fn: Callable[[object], object], value: object) -> Any:
 def skeleton(value: object) -> object:
     """A hashable summary of ``value``'s nesting (leaves become None)."""
     if isinstance(value, dict):
-        return ("dict", tuple((key, skeleton(value[key])) for key in dict_keys(value)))
+        keys, forms = key_forms(value)
+        if forms is keys:  # (the usual case: str keys)
+            return ("dict", tuple((key, skeleton(value[key])) for key in keys))
+        return ("dict", tuple(zip(forms, [skeleton(value[key]) for key in keys], strict=True)))
     if isinstance(value, list | tuple):
         if not any_nested(value):
             return (type(value).__name__, len(value))  # flat: no per-leaf work

@@ -345,7 +345,11 @@ def _regroup_flat(values: Sequence[object], kind: type | None, devices: Any) -> 
 
 def _same_container(a: object, b: object) -> bool:
     if isinstance(a, dict):
-        return isinstance(b, dict) and set(a) == set(b)
+        # Equal keys, or keys of equal forms in one order (a NaN key of each
+        # replica's own: see _nest's docstring).
+        return isinstance(b, dict) and (
+            set(a) == set(b) or _nest.key_forms(a)[1] == _nest.key_forms(b)[1]
+        )
     if type(a) is not type(b):
         # As in TF's nest: namedtuples of one name and fields nest alike, so a class
         # made inside the replica function (one per replica) regroups.
@@ -418,6 +422,14 @@ def regroup_wrapping_every_leaf(
     return _nest.map_structure(wrap, merged)
 
 
+def _children_by_keys(mapping: dict, keys: list) -> list:
+    """``mapping``'s values under ``keys``, or (a key missing) its children."""
+    try:
+        return [mapping[key] for key in keys]
+    except KeyError:
+        return _nest.children(mapping)
+
+
 def _regroup_nested(values: Sequence[object], devices: Any, what: str, path: str) -> object:
     """``regroup`` of values some of which nest containers: all must nest alike.
 
@@ -438,9 +450,10 @@ def _regroup_nested(values: Sequence[object], devices: Any, what: str, path: str
         )
     if isinstance(first, dict):
         # Every replica's children in the order of the first's keys (by key: a
-        # replica's dict may have been built in another order).
+        # replica's dict may have been built in another order), or in visiting
+        # order where a key of the first's is not its own (a NaN: its forms match).
         keys = _nest.dict_keys(first)
-        per_child = [[value[key] for key in keys] for value in values]
+        per_child = [_children_by_keys(value, keys) for value in values]
     else:
         keys = None
         per_child = [_nest.children(value) for value in values]

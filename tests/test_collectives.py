@@ -329,6 +329,56 @@ async def test_collectives_of_dicts_whose_keys_do_not_sort_built_in_any_order(tw
         np.testing.assert_array_equal(part["x"], [0.0, 0.0, 10.0, 10.0])
 
 
+async def test_collectives_of_dicts_whose_keys_sort_partly_or_are_nan(two):
+    """Frozenset keys (``<`` is a subset test) sorted in insertion order, so replicas
+    building one dict in different orders differed; a NaN key (each replica's own
+    float("nan"), equal to no other) was missing on the other replica: all_reduce
+    and all_gather raised CollectiveMismatchError, merge_call InvalidArgumentError,
+    for equal structures. Such keys now match, and real differences still show."""
+    a, b = frozenset({1}), frozenset({2})
+
+    def make(r: int, kind: str) -> dict:
+        mine, shared = np.full(1, r + 1.0), np.full(1, 10.0)
+        if kind == "frozenset":
+            return {a: mine, b: shared} if r == 0 else {b: shared, a: mine}
+        nan = {"nan": float("nan"), "nan in a tuple": (1, float("nan"))}[kind]
+        return {nan: mine, 2.0: shared} if r == 0 else {2.0: shared, nan: mine}
+
+    def replica_1s_values(strategy, value: dict) -> list:
+        return sorted(float(strategy.experimental_local_results(x)[1][0]) for x in value.values())
+
+    for kind in ("frozenset", "nan", "nan in a tuple"):
+
+        async def fn(kind=kind):
+            value, ctx = make(rid(), kind), aiodist.get_replica_context()
+            reduced = await ctx.all_reduce("sum", value)
+            assert list(reduced) == list(value)  # each replica's own keys, in its order
+            gathered = await ctx.all_gather(value, axis=0)
+            merged = await ctx.merge_call(replica_1s_values, args=(value,))
+            return [reduced[key] for key in value], [gathered[key] for key in value], merged
+
+        reduced, gathered, merged = await two.run(fn)
+        for r, (sums, gathers, seen) in enumerate(
+            zip(local(two, reduced), local(two, gathered), local(two, merged), strict=True)
+        ):
+            mine, shared = (0, 1) if r == 0 else (1, 0)  # each replica's insertion order
+            np.testing.assert_array_equal(sums[mine], [3.0])
+            np.testing.assert_array_equal(sums[shared], [20.0])
+            np.testing.assert_array_equal(gathers[mine], [1.0, 2.0])
+            np.testing.assert_array_equal(gathers[shared], [10.0, 10.0])
+            assert seen == [2.0, 10.0]
+
+    async def differs():  # a NaN key on both, another key's shape differing
+        value = {float("nan"): np.zeros(1), "x": np.zeros(1 + rid())}
+        return await aiodist.get_replica_context().all_reduce("sum", value)
+
+    with pytest.raises(
+        aiodist.CollectiveMismatchError,
+        match=re.escape("they first differ at ['x']: float64[1] on replica 0, float64[2]"),
+    ):
+        await two.run(differs)
+
+
 async def test_all_reduce_python_scalars_and_mean_of_ints(two):
     async def fn():
         ctx = aiodist.get_replica_context()
