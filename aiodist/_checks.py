@@ -6,8 +6,10 @@ from __future__ import annotations
 import enum
 import inspect
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
+
+import numpy as np
 
 from ._errors import InvalidArgumentError
 
@@ -31,6 +33,32 @@ def short_repr(value: Any) -> str:
     """``repr(value)``, cut short for a message."""
     text = repr(value)
     return text if len(text) <= 80 else f"{text[:79]}…"
+
+
+def refuse_ragged(parts: Sequence[Any], where: str) -> None:
+    """Raise ``InvalidArgumentError`` naming the first of ``parts`` (one value per
+    replica, or one value) that is no array because its lists nest unevenly
+    (``[[1, 2], [3]]``), which NumPy refuses with "setting an array element with a
+    sequence ... inhomogeneous shape". Asked only once converting ``parts`` has
+    raised a ValueError; returns where none is such a value (the caller re-raises)."""
+    for replica, part in enumerate(parts):
+        try:
+            np.asarray(part)
+            continue
+        except ValueError:
+            pass
+        except Exception:  # (a GPU array: np.asarray refuses it, and it is one array)
+            continue
+        try:
+            np.asarray(part, dtype=object)  # items NumPy takes, only not as one shape
+        except Exception:
+            continue
+        whose = f"replica {replica}'s value " if len(parts) > 1 else ""
+        raise InvalidArgumentError(
+            f"{where}: {whose}{short_repr(part)} is not one array: its lists nest "
+            "unevenly (rows of different lengths or shapes); expected an array, a number, "
+            "or lists nested evenly (every row of one length), as np.asarray takes them."
+        ) from None
 
 
 def not_callable(value: Any, message: str) -> InvalidArgumentError:

@@ -33,7 +33,7 @@ import numpy as np
 from . import _context
 from ._arrays import as_axis, check_reducible, gather_axis, leaf_text, mean_of_sum, mean_operand
 from ._backends import backend_for, cpu_backend, is_cupy_array
-from ._checks import whole_number
+from ._checks import refuse_ragged, whole_number
 from ._devices import HOST, Device, parse_device
 from ._errors import InvalidArgumentError
 from ._host_reduce import combine as host_combine
@@ -457,7 +457,7 @@ class CrossDeviceOps:
         op = ReduceOp.of(reduce_op)
         devices = resolve_destinations(destinations)
         refuse_structure(per_replica_value, "CrossDeviceOps.reduce")
-        arrays = _components(per_replica_value)
+        arrays = _components(per_replica_value, "reduce")
         check_alike(arrays, "reduce")
         for array in arrays:
             check_reducible(op, array, "reduce")
@@ -501,7 +501,11 @@ class CrossDeviceOps:
                 "(reduce it first, or pick a component with experimental_local_results)."
             )
         # _deliver places it, and copies only what it got back as the caller's own.
-        return self._deliver(tensor, devices, copy=True)
+        try:
+            return self._deliver(tensor, devices, copy=True)
+        except ValueError:
+            refuse_ragged([tensor], "broadcast")
+            raise
 
     async def gather(
         self,
@@ -515,7 +519,7 @@ class CrossDeviceOps:
         axis = as_axis(axis, "gather")  # (axis=None or "0" failed in a comparison)
         devices = resolve_destinations(destinations)
         refuse_structure(per_replica_value, "CrossDeviceOps.gather")
-        arrays = _components(per_replica_value)
+        arrays = _components(per_replica_value, "gather")
         _check_gatherable(arrays, axis, "gather")
         backend = backend_for(devices[0])
         parts = [backend.asarray(array, devices[0]) for array in arrays]
@@ -795,7 +799,9 @@ def _combine_on_device(xp: Any, op: ReduceOp, values: Sequence[Any]) -> Any:
     return total
 
 
-def _components(value: Any) -> list:
+def _components(value: Any, where: str) -> list:
+    """The components of ``value`` as arrays on their devices (``where``: the call,
+    named if one is no array)."""
     value = copies_of(value)  # (a variable: its copies, as in TF)
     if isinstance(value, DistributedValues):
         parts = list(value._values)
@@ -803,9 +809,13 @@ def _components(value: Any) -> list:
     else:
         parts, devices = [value], (None,)
     arrays = []
-    for part, device in zip(parts, devices, strict=True):
-        device = device or HOST
-        arrays.append(backend_for(device).asarray(part, device))
+    try:
+        for part, device in zip(parts, devices, strict=True):
+            device = device or HOST
+            arrays.append(backend_for(device).asarray(part, device))
+    except ValueError:
+        refuse_ragged(parts, where)
+        raise
     return arrays
 
 

@@ -34,7 +34,7 @@ from ._arrays import (
     structure_text,
 )
 from ._backends import cpu_backend
-from ._checks import not_callable
+from ._checks import not_callable, refuse_ragged
 from ._errors import ContextError, InvalidArgumentError
 from ._ops import _BY_KEY, ReduceOp
 from ._options import CommunicationOptions
@@ -317,19 +317,23 @@ class ReplicaContext:
             arrays = self._arrays(group, [value], "all_reduce")  # raises
         else:  # one array or scalar, the common case
             slot = group.slots[self._replica_id]
-            if slot.backend is not cpu_backend:
-                arrays = [slot.backend.asarray(value, slot.device)]
-            elif isinstance(value, np.generic):
-                # A NumPy scalar reduces as it is (it has a dtype and a shape); the
-                # host reduction returns an array. Saves an asarray per replica.
-                arrays = [value]
-            elif type(value) is float:
-                # A Python float as the float64 scalar it stands for (np.asarray would
-                # make a 0-d float64 array): host reductions of float scalars take
-                # the scalar arithmetic path (ReductionToOneDevice._all_reduce_one).
-                arrays = [np.float64(value)]
-            else:
-                arrays = [slot.backend.asarray(value, slot.device)]
+            try:  # (costs nothing unless it raises)
+                if slot.backend is not cpu_backend:
+                    arrays = [slot.backend.asarray(value, slot.device)]
+                elif isinstance(value, np.generic):
+                    # A NumPy scalar reduces as it is (it has a dtype and a shape); the
+                    # host reduction returns an array. Saves an asarray per replica.
+                    arrays = [value]
+                elif type(value) is float:
+                    # A Python float as the float64 scalar it stands for (np.asarray
+                    # would make a 0-d float64 array): host reductions of float scalars
+                    # take the scalar arithmetic path (ReductionToOneDevice._all_reduce_one).
+                    arrays = [np.float64(value)]
+                else:
+                    arrays = [slot.backend.asarray(value, slot.device)]
+            except ValueError:  # a ragged sequence that does not nest (a deque)
+                refuse_ragged([value], self._where("all_reduce"))
+                raise
         if nested:  # map with attrgetter: C-speed per leaf, for long lists of tensors
             reducible = _REDUCIBLE[op]
             dtypes = tuple(map(_DTYPE, arrays))
@@ -463,7 +467,11 @@ class ReplicaContext:
                     "inside a replica function pass this replica's own value (strategy.run "
                     "already unwrapped its arguments)."
                 )
-            arrays.append(slot.backend.asarray(leaf, slot.device))
+            try:
+                arrays.append(slot.backend.asarray(leaf, slot.device))
+            except ValueError:  # a ragged sequence that does not nest (a deque)
+                refuse_ragged([leaf], self._where(method))
+                raise
         return arrays
 
 

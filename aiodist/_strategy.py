@@ -21,7 +21,7 @@ import numpy as np
 from . import _context, _nest, _stall, _variables
 from ._arrays import as_axis, check_reducible, mean_of_sum
 from ._backends import backend_for, cpu_backend, is_cupy_array, is_cupy_type, visible_gpu_count
-from ._checks import not_callable, options_or_default, refuse_awaitables
+from ._checks import not_callable, options_or_default, refuse_awaitables, refuse_ragged
 from ._cross_device_ops import (
     CrossDeviceOps,
     NcclAllReduce,
@@ -572,7 +572,7 @@ class Strategy:
             if total is not None:
                 return total
         refuse_structure(value, "strategy.reduce")
-        parts = await self._host_components(value)
+        parts = await self._host_components(value, "strategy.reduce")
         if len(parts) == 1:
             self.extended._distributed(op, value)  # raises for SUM/PRODUCT of a plain value
         parts, count = _local_parts(op, parts, axis)
@@ -631,13 +631,14 @@ class Strategy:
         _context.require_cross_replica(self, "gather")
         axis = as_axis(axis, "gather")
         refuse_structure(value, "strategy.gather")
-        parts = await self._host_components(value)
+        parts = await self._host_components(value, "strategy.gather")
         components = PerReplica(parts, (_HOST,) * len(parts)) if len(parts) > 1 else parts[0]
         return await self.extended._cross_device_ops.gather(components, _HOST, axis)
 
-    async def _host_components(self, value: Any) -> list:
+    async def _host_components(self, value: Any, where: str = "strategy.reduce") -> list:
         """The components of ``value`` as host arrays; GPU components are copied in
-        stream order while the loop keeps running."""
+        stream order while the loop keeps running. ``where``: the call, named if a
+        component is no array (a ragged list)."""
         value = copies_of(value)  # (a variable: its copies, as in TF; a plain one: its value)
         if isinstance(value, DistributedValues):
             parts = list(value._values)
@@ -661,7 +662,11 @@ class Strategy:
             # NumPy arrays and scalars, as they are: scalars have a shape and a
             # dtype, and the host reductions return arrays.
             return parts
-        return [p if type(p) is np.ndarray else np.asarray(p) for p in parts]
+        try:
+            return [p if type(p) is np.ndarray else np.asarray(p) for p in parts]
+        except ValueError:
+            refuse_ragged(parts, where)
+            raise
 
     # -- ordering cross-replica work on GPUs ----------------------------------------------
 

@@ -574,6 +574,26 @@ async def test_bad_reduce_op_and_dtype(two):
         await two.run(bad_dtype)
 
 
+async def test_a_leaf_whose_lists_nest_unevenly_is_refused_naming_the_replica(two):
+    """A leaf that is no list or tuple (a deque) but holds ragged lists reached NumPy
+    as it was: all_reduce and all_gather raised its bare ValueError ("setting an
+    array element with a sequence ... inhomogeneous shape")."""
+    ragged = collections.deque([[1.0, 2.0], [3.0]])
+    not_one = r"deque\(\[\[1.0, 2.0\], \[3.0\]\]\) is not one array: its lists nest unevenly"
+
+    async def reduce_one():
+        return await aiodist.get_replica_context().all_reduce("sum", ragged)
+
+    async def gather_a_leaf():
+        return await aiodist.get_replica_context().all_gather({"x": ragged}, axis=0)
+
+    for fn, where in ((reduce_one, "all_reduce"), (gather_a_leaf, "all_gather")):
+        with pytest.raises(
+            aiodist.InvalidArgumentError, match=rf"{where} on replica \d: {not_one}"
+        ):
+            await two.run(fn)
+
+
 class _Point:
     """A leaf all_reduce cannot reduce (NumPy makes it a dtype-object array)."""
 

@@ -169,6 +169,35 @@ async def test_reduce_with_axis_of_rank0_values_says_they_have_none(two, axis):
     assert float(await two.reduce("sum", losses, axis=None)) == 3.0
 
 
+async def test_components_whose_lists_nest_unevenly_are_refused_naming_the_replica(two):
+    """A PerReplica component that is a ragged list reached NumPy as it was: strategy.
+    reduce and gather, reduce_to, batch_reduce_to, broadcast_to and the cross-device
+    ops raised NumPy's bare ValueError ("setting an array element with a sequence
+    ... inhomogeneous shape"), naming neither the replica nor what was expected."""
+    ragged = aiodist.PerReplica([[[1, 2], [3, 4]], [[1, 2], [3]]])  # replica 1's is ragged
+    not_one = r"is not one array: its lists nest unevenly.*expected an array, a number"
+    whose = r"replica 1's value \[\[1, 2\], \[3\]\] " + not_one
+    ops = aiodist.ReductionToOneDevice()
+    calls = [
+        ("strategy.reduce", lambda: two.reduce("sum", ragged, axis=None)),
+        ("strategy.reduce", lambda: two.reduce("mean", ragged, axis=0)),
+        ("strategy.gather", lambda: two.gather(ragged, axis=0)),
+        ("reduce", lambda: two.extended.reduce_to("sum", ragged, "cpu:0")),
+        ("reduce", lambda: two.extended.batch_reduce_to("sum", [(ragged, "cpu:0")])),
+        ("reduce", lambda: ops.reduce("sum", ragged, "cpu:0")),
+        ("gather", lambda: ops.gather(ragged, "cpu:0", axis=0)),
+    ]
+    for where, call in calls:
+        with pytest.raises(aiodist.InvalidArgumentError, match=f"^{where}: {whose}"):
+            await call()
+    with pytest.raises(
+        aiodist.InvalidArgumentError, match=r"^broadcast: \[\[1, 2\], \[3\]\] " + not_one
+    ):
+        await two.extended.broadcast_to([[1, 2], [3]], ["cpu:0", "cpu:1"])
+    even = aiodist.PerReplica([[[1, 2], [3, 4]], [[5, 6], [7, 8]]])  # lists of one shape
+    np.testing.assert_array_equal(await two.reduce("sum", even, axis=None), [[6, 8], [10, 12]])
+
+
 async def test_structures_of_distributed_values_are_refused_with_the_way_out(two):
     # TF's Strategy.reduce/gather and reduce_to take one value; a dict or list of
     # PerReplica used to become an object array ("dtype object") or a "rank-0" error.
