@@ -18,8 +18,9 @@ A ``Batcher`` turns many concurrent single requests into few batches:
 - if the step raises, every caller of that batch gets the exception, and the
   batcher goes on serving;
 - ``start()`` warms up (devices, a first run) and starts the batching task;
-  ``stop(deadline)`` stops admitting, lets queued and running batches finish
-  within ``deadline`` seconds, then cancels what is left (a batching task
+  ``stop(deadline)`` stops admitting, lets queued and running batches (or
+  ``start()``'s warm-up run) finish within ``deadline`` seconds, then cancels
+  what is left, and returns once nothing is left running (a batching task
   cancelled by anything else stops admitting too, and answers its queued
   callers). ``lifespan()`` wraps both for an ASGI lifespan (Starlette's
   ``lifespan=``); aiohttp can call ``start``/``stop`` from
@@ -226,6 +227,7 @@ class Batcher:
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._starting: asyncio.Future | None = None  # set while start() warms up
+        self._warming: asyncio.Task | None = None  # the warm-up's run, while it runs
         self._stop_requested = False
         self._stops = 0  # stop() calls so far
         self._stopping: asyncio.Future | None = None  # set while stop() drains
@@ -296,7 +298,7 @@ class Batcher:
                 "stop() it there before starting it on this one."
             )
         self._accepting = False
-        self._loop_task = self._starting = self._stopping = None
+        self._loop_task = self._starting = self._stopping = self._warming = None
         self._wakeup = self._slots = None
         self._running.clear()
         self._drop_queue()
@@ -319,9 +321,7 @@ class Batcher:
         # was left.
         loop = asyncio.get_running_loop()
         if warmup_rows is not None:
-            await loop.create_task(
-                self._run_batch(warmup_rows), context=_context.outside_any_scope()
-            )
+            await self._warm_up(warmup_rows)
         if self._stop_requested:  # stop() ran during the warm-up: it wins
             return
         self._wakeup = asyncio.Event()
@@ -331,6 +331,28 @@ class Batcher:
             self._batching(), name="aiodist-batcher", context=_context.outside_any_scope()
         )
         self._loop_task.add_done_callback(self._batching_ended)
+
+    async def _warm_up(self, rows: np.ndarray) -> None:
+        """Run ``rows`` as a batch, in a task of its own (``_warming``) that ``stop()``
+        waits for within its deadline and then cancels: a stop() that returned while
+        the warm-up still ran left it running on the strategy, after a caller had
+        moved on to close it or its loop. A cancellation of start() itself reaches
+        the warm-up too (awaiting a task passes it on)."""
+        warming = self._warming = asyncio.get_running_loop().create_task(
+            self._run_batch(rows),
+            name="aiodist-batcher-warm-up",
+            context=_context.outside_any_scope(),  # (see _start)
+        )
+        try:
+            await warming
+        except asyncio.CancelledError:
+            # stop() cancelled the warm-up past its deadline: start() returns without
+            # starting, as after any stop() during the warm-up.
+            current = asyncio.current_task()
+            if not (warming.cancelled() and self._stop_requested and not current.cancelling()):
+                raise
+        finally:
+            self._warming = None
 
     def _batching_ended(self, task: asyncio.Task) -> None:
         """The batching task ended. ``stop()`` ends it after it stops admitting; if it
@@ -352,8 +374,9 @@ class Batcher:
     async def stop(self, deadline: float = 10.0) -> None:
         """Stop admitting; finish queued and running batches within ``deadline`` seconds,
         then cancel what is left (those callers get ``NotServing``). Stopping during
-        ``start``'s warm-up keeps the batcher from starting; a ``start`` made while
-        this drains waits for it to end."""
+        ``start``'s warm-up keeps the batcher from starting; the warm-up's run is let
+        finish within ``deadline`` too, then cancelled, and ``stop`` returns only once
+        it has ended. A ``start`` made while this drains waits for it to end."""
         deadline = seconds(deadline, "stop: deadline", zero=True)
         self._forget_a_closed_loop()
         self._accepting = False
@@ -364,6 +387,8 @@ class Batcher:
             return
         task = self._loop_task
         if task is None:
+            if self._warming is not None:  # start() is warming up
+                await self._stop_warm_up(self._warming, deadline)
             return
         self._stopping = stopping = asyncio.get_running_loop().create_future()
         assert self._wakeup is not None
@@ -387,6 +412,22 @@ class Batcher:
                     NotServing("the batcher stopped before this request ran; retry elsewhere.")
                 )
             await asyncio.gather(task, *self._running, return_exceptions=True)
+        finally:
+            self._stopping = None
+            stopping.set_result(None)
+
+    async def _stop_warm_up(self, warming: asyncio.Task, deadline: float) -> None:
+        """``stop()`` during start()'s warm-up: let its run finish within ``deadline``
+        seconds, then cancel it; return once it has ended (start() raises its error,
+        if any, and returns without starting otherwise)."""
+        self._stopping = stopping = asyncio.get_running_loop().create_future()
+        try:
+            try:
+                await asyncio.wait({warming}, timeout=deadline)
+            finally:  # also when stop() itself is cancelled: nothing is left running
+                if not warming.done():
+                    warming.cancel()
+            await asyncio.gather(warming, return_exceptions=True)
         finally:
             self._stopping = None
             stopping.set_result(None)

@@ -257,12 +257,51 @@ async def _warming_up(strategy, **options) -> tuple[Batcher, asyncio.Task, async
 
 async def test_stop_during_warm_up_keeps_the_batcher_stopped(two):
     batcher, starting, release = await _warming_up(two)
-    await batcher.stop()
+    stopping = asyncio.create_task(batcher.stop())
+    await asyncio.sleep(0.01)
+    assert not stopping.done()  # the warm-up still runs: stop() waits for it
     release.set()
+    await stopping
     await starting
     with pytest.raises(NotServing):
         await batcher.submit(np.ones((1, 1)))
     assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("aiodist-batcher")]
+
+
+async def test_stop_returns_only_once_the_warm_up_has_ended(two):
+    """stop() during start()'s warm-up returned at once, the warm-up's run still going
+    on the strategy (a caller closing the strategy or the loop next left it running),
+    also when the warm-up never ended. Now the warm-up is let finish within stop's
+    deadline, then cancelled, and stop() returns once it has ended."""
+    # Past the deadline: cancelled, and start() returns without starting.
+    batcher, starting, release = await _warming_up(two)
+    await asyncio.wait_for(batcher.stop(deadline=0.05), 5)
+    assert two.statistics().runs_in_flight == 0
+    await asyncio.wait_for(starting, 5)
+    with pytest.raises(NotServing):
+        await batcher.submit(np.ones((1, 1)))
+    release.set()
+    await batcher.start(np.ones((2, 1)))  # it serves again
+    np.testing.assert_array_equal(await batcher.submit(np.ones((1, 1))), [[1.0]])
+    await batcher.stop()
+
+    # Within the deadline: stop() waits for the warm-up to finish.
+    batcher, starting, release = await _warming_up(two)
+    stopping = asyncio.create_task(batcher.stop(deadline=30))
+    await asyncio.sleep(0.01)
+    assert not stopping.done() and two.statistics().runs_in_flight == 1
+    release.set()
+    await asyncio.wait_for(stopping, 5)
+    assert two.statistics().runs_in_flight == 0
+    await asyncio.wait_for(starting, 5)
+
+    # stop() itself cancelled while it waits: the warm-up is cancelled too.
+    batcher, starting, release = await _warming_up(two)
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.05):
+            await batcher.stop(deadline=30)
+    await asyncio.wait_for(starting, 5)
+    assert two.statistics().runs_in_flight == 0
 
 
 async def test_a_start_after_a_stop_during_another_starts_warm_up_serves(two):
@@ -272,11 +311,13 @@ async def test_a_start_after_a_stop_during_another_starts_warm_up_serves(two):
     batcher, first, release = await _warming_up(two, max_wait_seconds=0)
     before = asyncio.create_task(batcher.start())
     await asyncio.sleep(0)
-    await batcher.stop()
+    stopping = asyncio.create_task(batcher.stop())  # (it waits for A's warm-up)
+    await asyncio.sleep(0)
     after = asyncio.create_task(batcher.start(np.ones((2, 1))))
     await asyncio.sleep(0.01)
     assert not after.done()
     release.set()
+    await stopping
     await first
     with pytest.raises(NotServing, match="did not start"):
         await before
