@@ -385,14 +385,14 @@ class Batcher:
         if self._stopping is not None:  # another stop() is draining: wait for it
             await asyncio.shield(self._stopping)
             return
-        task = self._loop_task
+        # The batching task, or start()'s warm-up (then nothing is queued or running
+        # besides it, and what follows waits for it alone).
+        task = self._loop_task or self._warming
         if task is None:
-            if self._warming is not None:  # start() is warming up
-                await self._stop_warm_up(self._warming, deadline)
             return
         self._stopping = stopping = asyncio.get_running_loop().create_future()
-        assert self._wakeup is not None
-        self._wakeup.set()
+        if self._wakeup is not None:  # (None during the warm-up)
+            self._wakeup.set()
         end = time.perf_counter() + deadline
         try:
             try:
@@ -412,22 +412,6 @@ class Batcher:
                     NotServing("the batcher stopped before this request ran; retry elsewhere.")
                 )
             await asyncio.gather(task, *self._running, return_exceptions=True)
-        finally:
-            self._stopping = None
-            stopping.set_result(None)
-
-    async def _stop_warm_up(self, warming: asyncio.Task, deadline: float) -> None:
-        """``stop()`` during start()'s warm-up: let its run finish within ``deadline``
-        seconds, then cancel it; return once it has ended (start() raises its error,
-        if any, and returns without starting otherwise)."""
-        self._stopping = stopping = asyncio.get_running_loop().create_future()
-        try:
-            try:
-                await asyncio.wait({warming}, timeout=deadline)
-            finally:  # also when stop() itself is cancelled: nothing is left running
-                if not warming.done():
-                    warming.cancel()
-            await asyncio.gather(warming, return_exceptions=True)
         finally:
             self._stopping = None
             stopping.set_result(None)
@@ -642,7 +626,7 @@ class Batcher:
         # Each replica's output on the host. On GPUs, copied in stream order after the
         # replicas' work while the loop keeps serving (host_array's CuPy get() waits
         # for the GPU on the loop, and only for the current stream, not the replicas').
-        parts = await strategy._host_components(result)
+        parts = await strategy._host_components(result, "Batcher")
         if len(parts) == 1 and len(shards) > 1:  # the same object from every replica
             parts *= len(shards)
         # Each replica's rows checked against its own share: a surplus on one and a

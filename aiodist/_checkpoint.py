@@ -124,11 +124,10 @@ def _atomic_write(path: Path, arrays: dict[str, np.ndarray], writing: _Writing) 
         with writing.lock:
             writing.check()
             os.replace(temporary, path)
-    except _Abandoned:
+    except BaseException as exc:
         Path(temporary).unlink(missing_ok=True)
-        return
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+        if isinstance(exc, _Abandoned):
+            return
         raise
     directory = os.open(path.parent, os.O_RDONLY)
     try:

@@ -297,6 +297,11 @@ def require_cross_replica(strategy: Strategy | None, method: str) -> None:
             f".merge_call(merge_fn)` and call {method}() from merge_fn, or use the "
             "ReplicaContext collectives (all_reduce, all_gather)."
         )
-    current = non_default(state[STRATEGY])  # (the default one's merge_fn: no strategy)
-    if strategy is not None and current is not None and current is not strategy:
+    current = state[STRATEGY]
+    if (
+        strategy is not None
+        and current is not None
+        and current is not strategy
+        and non_default(current) is not None  # (the default one's merge_fn: no strategy)
+    ):
         raise _mixing(current, strategy)

@@ -413,9 +413,9 @@ class Variable:
             # The default strategy current (in its own run or merge_fn, such as a
             # merge_call of the default replica context outside any scope) is no
             # strategy, as in TF: a plain variable, as outside any scope.
-            strategy = _context.non_default(_context.current_state()[_context.STRATEGY])
-            if strategy is not None:
-                if _context.current_replica() is not None:
+            state = _context.current_state()
+            if _context.non_default(state[_context.STRATEGY]) is not None:
+                if state[_context.REPLICA] is not None:
                     raise ContextError(
                         "aiodist.Variable() was called inside a replica function; create "
                         "variables in cross-replica context, under `with strategy.scope():`, "
@@ -805,7 +805,7 @@ class MirroredVariable(Variable):
         # On the host, for the exchange between workers: GPU values copied in stream
         # order while the loop keeps running (host_array's get() would wait on it).
         local = PerReplica(tuple(_replica_values(strategy, per_replica)))
-        parts = await strategy._host_components(local)
+        parts = await strategy._host_components(local, f"{self._name}.{kind}()")
         if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             # Global replica 0 is worker 0's first: its value, sent to every worker.
             timeout = strategy._communication_options.timeout_seconds
