@@ -57,7 +57,8 @@ def refuse_ragged(parts: Sequence[Any], where: str) -> None:
         raise InvalidArgumentError(
             f"{where}: {whose}{short_repr(part)} is not one array: its lists nest "
             "unevenly (rows of different lengths or shapes); expected an array, a number, "
-            "or lists nested evenly (every row of one length), as np.asarray takes them."
+            "or lists nested evenly (every row of one length), as np.asarray takes them: "
+            "pad the rows to one length, or pass them as separate values."
         ) from None
 
 

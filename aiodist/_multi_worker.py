@@ -2026,7 +2026,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                 # that holds a single replica takes such a value as its replica's, and
                 # would wait for this worker's data step until the timeout).
                 ambiguous = f"{type(value).__name__} for its {len(self._slots)} replicas"
-            parts = await self._host_components(local_values)
+            parts = await self._host_components(local_values, method)
             # The checks and per-replica reductions of strategy.reduce (MEAN: sums).
             parts, count = _local_parts(op, parts, axis)
             parts = [np.asarray(p) for p in parts]

@@ -50,15 +50,7 @@ def _is_namedtuple(value: object) -> bool:
 
 def dict_keys(mapping: dict) -> list:
     """A dict's keys in visiting order (also for error messages' paths)."""
-    try:
-        keys = sorted(mapping)
-    except TypeError:  # keys of several types: see the module docstring
-        return _canonical(mapping)[0]
-    # str keys, the common case: sorted() compared every key with another, and a
-    # str compares with no other built-in type, so all are str, in their one order.
-    if not keys or type(keys[0]) is str or _totally_ordered(keys):
-        return keys
-    return _canonical(mapping)[0]
+    return key_forms(mapping)[0]
 
 
 def key_forms(mapping: dict) -> tuple[list, list]:
@@ -67,9 +59,11 @@ def key_forms(mapping: dict) -> tuple[list, list]:
     where no key needs another."""
     try:
         keys = sorted(mapping)
-    except TypeError:
+    except TypeError:  # keys of several types: see the module docstring
         return _canonical(mapping)
-    if not keys or type(keys[0]) is str or _totally_ordered(keys):  # as dict_keys
+    # str keys, the common case: sorted() compared every key with another, and a
+    # str compares with no other built-in type, so all are str, in their one order.
+    if not keys or type(keys[0]) is str or _totally_ordered(keys):
         return keys, keys
     return _canonical(mapping)
 

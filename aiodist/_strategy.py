@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import _context, _nest, _stall, _variables
-from ._arrays import as_axis, check_reducible, mean_of_sum
+from ._arrays import as_axis, check_reducible, leaf_text, mean_of_sum
 from ._backends import backend_for, cpu_backend, is_cupy_array, is_cupy_type, visible_gpu_count
 from ._checks import not_callable, options_or_default, refuse_awaitables, refuse_ragged
 from ._cross_device_ops import (
@@ -635,7 +635,7 @@ class Strategy:
         components = PerReplica(parts, (_HOST,) * len(parts)) if len(parts) > 1 else parts[0]
         return await self.extended._cross_device_ops.gather(components, _HOST, axis)
 
-    async def _host_components(self, value: Any, where: str = "strategy.reduce") -> list:
+    async def _host_components(self, value: Any, where: str) -> list:
         """The components of ``value`` as host arrays; GPU components are copied in
         stream order while the loop keeps running. ``where``: the call, named if a
         component is no array (a ragged list)."""
@@ -754,12 +754,12 @@ def _normalise_axis(axis: Any, parts: list) -> tuple[int, ...]:
             raise InvalidArgumentError(
                 f"reduce: axis={axis!r}; expected an int, a tuple of ints, or None."
             ) from None
+        if parts[0].ndim == 0:  # (all of one rank; the range below would read "0 <= axis < 0")
+            raise InvalidArgumentError(
+                f"reduce: axis={axis!r} for rank-0 values ({leaf_text(parts[0])}), which "
+                "have no axis to reduce along; reduce them with axis=None."
+            )
         for p in parts:
-            if p.ndim == 0:  # (the range below would read "0 <= axis < 0")
-                raise InvalidArgumentError(
-                    f"reduce: axis={axis!r} for rank-0 values ({p.dtype}[]), which have "
-                    "no axis to reduce along; reduce them with axis=None."
-                )
             if not -p.ndim <= a < p.ndim:
                 raise InvalidArgumentError(
                     f"reduce: axis={a} is out of range for a value of shape {p.shape}; "
