@@ -333,8 +333,10 @@ class VariableRef:
 class VariableCopy:
     """One copy of a distributed variable, as ``extended.update`` hands it to ``fn``.
 
-    Reads as its array (``np.asarray(copy)``, ``copy.value()``); its ``assign``,
-    ``assign_add`` and ``assign_sub`` change this copy only, right away.
+    Reads as its array (``np.asarray(copy)``, ``copy.value()``, ``read_value()``,
+    ``numpy()``), and like a variable: arithmetic and comparisons act on that
+    array, element-wise (``copy.assign(copy * 2)``), as on TF's component variable.
+    Its ``assign``, ``assign_add`` and ``assign_sub`` change this copy only, right away.
     """
 
     __slots__ = ("_index", "_variable")
@@ -347,11 +349,68 @@ class VariableCopy:
     def device(self) -> str:
         return str(self._variable._devices[self._index])
 
+    @property
+    def name(self) -> str:
+        return self._variable._name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.value().shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.value().dtype
+
     def value(self) -> Any:
         return self._variable._values[self._index]
 
+    read_value = value
+
+    def numpy(self) -> np.ndarray:
+        """A host (NumPy) copy of the value."""
+        return np.array(host_array(self.value()), copy=True)
+
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         return np.array(host_array(self.value()), dtype=dtype, copy=True)
+
+    def __float__(self) -> float:
+        return float(self.value())
+
+    def __int__(self) -> int:
+        return int(self.value())
+
+    def __bool__(self) -> bool:
+        return bool(self.value())
+
+    def __len__(self) -> int:
+        return len(self.value())
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.value()[index]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.value())
+
+    # As a variable's (below): on the value read, element-wise. Without them
+    # ``copy * 2`` in an update's fn raised TypeError, and ``copy == 5`` compared
+    # identities (False), where TF's fn gets a variable that computes.
+    __neg__ = _unary(operator.neg)
+    __abs__ = _unary(operator.abs)
+    __add__, __radd__ = _binary(operator.add)
+    __sub__, __rsub__ = _binary(operator.sub)
+    __mul__, __rmul__ = _binary(operator.mul)
+    __truediv__, __rtruediv__ = _binary(operator.truediv)
+    __floordiv__, __rfloordiv__ = _binary(operator.floordiv)
+    __mod__, __rmod__ = _binary(operator.mod)
+    __pow__, __rpow__ = _binary(operator.pow)
+    __matmul__, __rmatmul__ = _binary(operator.matmul)
+    __lt__, __gt__ = _binary(operator.lt)
+    __le__, __ge__ = _binary(operator.le)
+    __eq__ = _binary(operator.eq)[0]
+    __ne__ = _binary(operator.ne)[0]
+    __hash__ = None  # type: ignore[assignment]
+
+    __array_priority__ = 100  # ndarray op copy defers to the reflected methods
 
     def _write(self, kind: str, value: Any) -> VariableCopy:
         variable = self._variable

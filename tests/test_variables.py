@@ -598,6 +598,44 @@ async def test_update_per_copy_with_mirrored_args(two):
         await two.extended.update(3, print)
 
 
+async def test_update_fn_gets_a_copy_that_computes_like_a_variable(two):
+    """TF's update hands fn a variable, so ``var.assign(var * 2)`` works there; the
+    copy fn got here had no arithmetic (TypeError), no read_value/numpy/dtype, and
+    ``copy == 5`` compared identities (False)."""
+    with two.scope():
+        v = aiodist.Variable(np.float32([5.0, 6.0]), name="v")
+        doubled = await two.extended.update(v, lambda var: var.assign(var * 2), group=False)
+        await two.extended.update(v, lambda var: var.assign_sub(1 - -var / 2))
+        seen = await two.extended.update(
+            v,
+            lambda var: (
+                var.name,
+                var.dtype,
+                var.shape,
+                var.read_value().tolist(),
+                var.numpy().tolist(),
+                (var == 4).tolist(),
+                (var < 7).tolist(),
+                float(var[1]),
+                len(var),
+                list(var),
+                var @ var,
+            ),
+            group=False,
+        )
+
+    assert [c.device for c in doubled] == ["/device:CPU:0", "/device:CPU:1"]
+    for copy in copies(two, v):
+        np.testing.assert_array_equal(copy, np.float32([4.0, 5.0]))
+        assert copy.dtype == np.float32
+    for name, dtype, shape, read, host, equal, greater, second, n, items, dot in seen:
+        assert (name, dtype, shape, read, host) == ("v", np.float32, (2,), [4, 5], [4, 5])
+        assert equal == [True, False] and greater == [True, True]
+        assert (second, n, items, float(dot)) == (5.0, 2, [4.0, 5.0], 41.0)
+    with pytest.raises(TypeError, match="unhashable"):
+        {doubled[0]}
+
+
 async def _tf_reduce_to_update_example(strategy, batch: bool):
     """TF's reduce_to / batch_reduce_to docstring: merge_fn reduces, then updates."""
 
