@@ -239,11 +239,12 @@ class StrategyExtended:
     ) -> Any:
         """Call ``fn(copy, *args, **kwargs)`` once per copy of ``var``, on its device.
 
-        ``Mirrored`` arguments are unwrapped per copy. Returns a ``Mirrored`` of
-        the results (a tuple with ``group=False``), one per replica: replicas
-        sharing a device share its copy's result. ``var`` is a variable of this
-        strategy (or one made outside any scope); another strategy's raises
-        ``ContextError``, as writing it here would.
+        ``Mirrored`` arguments are unwrapped per copy, and so are this strategy's
+        variables: ``fn`` gets their copy on the device it runs for, as TF unwraps
+        them. Returns a ``Mirrored`` of the results (a tuple with ``group=False``),
+        one per replica: replicas sharing a device share its copy's result. ``var``
+        is a variable of this strategy (or one made outside any scope); another
+        strategy's raises ``ContextError``, as writing it here would.
         """
         _context.require_cross_replica(self._strategy, "update")
         owner = var._strategy if isinstance(var, _variables.Variable) else None

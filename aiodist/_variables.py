@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _context
+from . import _context, _nest
 from ._arrays import mean_of_sum, mean_operand
 from ._backends import backend_for, host_array, is_cupy_array
 from ._checks import member, not_callable, refuse_awaitables, short_repr
@@ -1098,7 +1098,8 @@ async def update(
     """``strategy.extended.update``: ``fn(copy, *args, **kwargs)`` once per copy.
 
     ``Mirrored`` arguments are unwrapped to the component of each copy's
-    replica. Runs each call with the copy's device (and stream) current.
+    replica, and variables of the strategy to their copy that replica reads
+    (a ``VariableCopy``). Runs each call with the copy's device (and stream) current.
     Returns a ``Mirrored`` of the results, or a tuple with ``group=False``: one
     entry per replica either way (replicas sharing a copy share its result).
     """
@@ -1142,15 +1143,38 @@ async def update(
     return Mirrored(per_replica, variable._replica_devices)
 
 
+def _variable_copies(strategy: Any, rid: int, structure: Any) -> Any:
+    """``structure`` with each variable of ``strategy`` replaced by its copy that
+    replica ``rid`` reads, as TF's ``update`` unwraps distributed variables in its
+    arguments. (fn got the whole variable: an ``assign`` there returned a coroutine
+    nobody awaited, the write lost, and a sync-on-read one read as the aggregate.)"""
+
+    def pick(leaf: object) -> object:
+        if isinstance(leaf, Variable) and leaf._strategy is strategy:
+            return VariableCopy(leaf, leaf._copy_of[rid])
+        return leaf
+
+    return _nest.map_structure(pick, structure)
+
+
 def _update_copies(
     variable: Variable, fn: Callable[..., Any], args: Any, kwargs: Any, slots: Any, n: int
 ) -> list:
     """``update``'s calls of ``fn``, one per copy, each on its first replica's stream."""
     results = []
+    # Variables of the strategy among the arguments (TF's colocated ones) are
+    # distributed values there: each call gets their copy on its device.
+    own = variable._strategy
+    unwrap = own is not None and any(
+        isinstance(leaf, Variable) and leaf._strategy is own
+        for leaf in (*_nest.flatten(args), *_nest.flatten(kwargs))
+    )
     for copy, rid in zip(variable._copies(), variable._replica_of_copy, strict=True):
         # Each copy with the component, device and stream of its first replica.
         copy_args = select_replica(rid, args, n)
         copy_kwargs = select_replica(rid, kwargs, n)
+        if unwrap:
+            copy_args, copy_kwargs = _variable_copies(own, rid, (copy_args, copy_kwargs))
         slot = slots[rid] if slots else None
         token = slot.backend.activate(slot.device, slot.stream) if slot else None
         try:

@@ -636,6 +636,49 @@ async def test_update_fn_gets_a_copy_that_computes_like_a_variable(two):
         {doubled[0]}
 
 
+async def test_update_unwraps_the_strategys_variables_in_args():
+    """TF's update unwraps distributed variables among args and kwargs (its
+    colocate_vars_with example: ``fn(v1, v2, v3)`` operates on each variable's
+    component): fn got the whole variable instead, whose ``assign`` returned a
+    coroutine nobody awaited (the write lost), and a sync-on-read one read as the
+    sum of its copies. Replicas sharing a device: their first replica's copy."""
+    strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:0", "cpu:1"])
+    other = aiodist.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])
+    with strategy.scope():
+        var1 = aiodist.Variable(np.float32(1.0), name="var1")
+        var2 = aiodist.Variable(np.float32(10.0), name="var2")
+        var3 = aiodist.Variable(np.float32(0.0), name="var3")
+        counts = aiodist.Variable(np.float32(0.0), synchronization="ON_READ", aggregation="sum")
+    with other.scope():
+        foreign = aiodist.Variable(np.float32(7.0), name="foreign")
+    plain = aiodist.Variable(np.float32(3.0), name="plain")
+
+    async def count(c):
+        await c.assign_add(rid() + 1.0)
+
+    await strategy.run(count, args=(counts,))  # copies 1, 2, 3
+
+    seen = []
+
+    def fn(v1, v2, v3, *, c, kept):
+        seen.append((v1.device, v2.device, v3.device, c.device, float(c)))
+        assert kept[0] is foreign and kept[1] is plain  # only this strategy's
+        v3.assign(v1 + v2)
+        return v1.assign(c)
+
+    with strategy.scope():
+        await strategy.extended.update(
+            var1, fn, args=(var2, var3), kwargs={"c": counts, "kept": [foreign, plain]}
+        )
+
+    assert seen == [
+        ("/device:CPU:0", "/device:CPU:0", "/device:CPU:0", "/device:CPU:0", 1.0),
+        ("/device:CPU:1", "/device:CPU:1", "/device:CPU:1", "/device:CPU:1", 3.0),
+    ]
+    assert copies(strategy, var3) == [11.0, 11.0, 11.0]
+    assert copies(strategy, var1) == [1.0, 1.0, 3.0]  # each copy its replica's count
+
+
 async def _tf_reduce_to_update_example(strategy, batch: bool):
     """TF's reduce_to / batch_reduce_to docstring: merge_fn reduces, then updates."""
 
