@@ -21,7 +21,13 @@ import numpy as np
 from . import _context, _nest, _stall, _variables
 from ._arrays import as_axis, check_reducible, leaf_text, mean_of_sum
 from ._backends import backend_for, cpu_backend, is_cupy_array, is_cupy_type, visible_gpu_count
-from ._checks import not_callable, options_or_default, refuse_awaitables, refuse_ragged
+from ._checks import (
+    not_callable,
+    options_or_default,
+    refuse_awaitables,
+    refuse_ragged,
+    short_repr,
+)
 from ._cross_device_ops import (
     CrossDeviceOps,
     NcclAllReduce,
@@ -181,6 +187,40 @@ class StrategyExtended:
         if self._strategy is _context._default.get("strategy"):
             return v._strategy is None
         return v._strategy is self._strategy
+
+    def colocate_vars_with(self, colocate_with_variable: Any) -> contextlib.nullcontext:
+        """A ``with`` block whose new variables share ``colocate_with_variable``'s devices.
+
+        Used as in TF, inside this strategy's scope with one of its variables:
+        ``with strategy.extended.colocate_vars_with(v1): v2 = aiodist.Variable(...)``,
+        then ``extended.update(v1, fn, args=(v2,))`` gives ``fn`` each device's copy
+        of both. Every variable of a strategy already has its copies on the
+        strategy's devices (a mirrored one once per device, a sync-on-read one once
+        per replica), so the block only checks, as TF does, where it is used and
+        with what: outside this strategy's scope it raises ``ContextError``, with
+        anything but a variable made in this scope ``InvalidArgumentError``.
+        """
+        method = "colocate_vars_with"
+        _context.require_cross_replica(self._strategy, method)
+        default = self._strategy is _context._default.get("strategy")
+        current = _context.non_default(_context.current_state()[_context.STRATEGY])
+        if current is not self._strategy and not default:
+            raise ContextError(
+                f"{method}() of {self._strategy!r} was called outside its scope; use it "
+                "inside `with strategy.scope():`, where the variables it places are made."
+            )
+        v = colocate_with_variable
+        if not self.variable_created_in_scope(v):
+            if isinstance(v, _variables.Variable):  # (its repr spans lines)
+                where = "outside any scope" if v._strategy is None else f"by {v._strategy!r}"
+                what = f"variable {v.name!r} (made {where})"
+            else:
+                what = short_repr(v)
+            raise InvalidArgumentError(
+                f"{method}: {what} is not a variable of {self._strategy!r}; pass one "
+                "created under `with strategy.scope():` of this strategy."
+            )
+        return contextlib.nullcontext()
 
     @property
     def worker_devices(self) -> tuple[str, ...]:

@@ -609,3 +609,53 @@ def test_distributed_values_example_5_local_results(two):
     assert len(per_replica_values) == 2
     assert_tensor(per_replica_values[0], [5.0], np.float32)
     assert_tensor(per_replica_values[1], [6.0], np.float32)
+
+
+# -- StrategyExtended.colocate_vars_with (distribute_lib.py) ---------------------------
+
+
+async def test_colocate_vars_with_example_update_gets_each_devices_copies(two):
+    """StrategyExtended.colocate_vars_with: var2 and var3 made in the block live where
+    var1 does, and ``extended.update(var1, fn, args=(var2, var3))`` calls ``fn`` on
+    each of var1's devices with that device's copy of all three (the docstring's
+    ``fn(v1, v2, v3)``). Here fn writes ``v1 + v2 * v3`` = 1 + 2 * 3."""
+    calls = []
+
+    def fn(v1, v2, v3):
+        calls.append((v1.device, v2.device, v3.device))
+        return v1.assign(v1 + v2 * v3)
+
+    with two.scope():
+        var1 = aiodist.Variable(np.float32(1.0))
+        with two.extended.colocate_vars_with(var1):
+            var2 = aiodist.Variable(np.float32(2.0))
+            var3 = aiodist.Variable(np.float32(3.0))
+        await two.extended.update(var1, fn, args=(var2, var3))
+
+    assert var2.devices == var3.devices == var1.devices
+    assert calls == [("/device:CPU:0",) * 3, ("/device:CPU:1",) * 3]
+    for value in two.experimental_local_results(var1):
+        assert_tensor(value, 7.0, np.float32)
+
+
+def test_colocate_vars_with_checks_as_tf_does(two, three):
+    """As in TF, colocate_vars_with is used in its strategy's scope, with one of that
+    strategy's variables; the default strategy takes a variable made outside any
+    scope. Anything else raises instead of placing nothing."""
+    with two.scope():
+        mine = aiodist.Variable(1.0, name="mine")
+    with three.scope():
+        theirs = aiodist.Variable(1.0, name="theirs")
+    plain = aiodist.Variable(1.0, name="plain")
+
+    with pytest.raises(aiodist.ContextError, match=r"colocate_vars_with\(\) of .* outside"):
+        two.extended.colocate_vars_with(mine)
+    with two.scope():
+        for other, where in [(theirs, "made by MirroredStrategy"), (plain, "made outside any")]:
+            with pytest.raises(aiodist.InvalidArgumentError, match=rf"'{other.name}' \({where}"):
+                two.extended.colocate_vars_with(other)
+        with pytest.raises(aiodist.InvalidArgumentError, match=r"colocate_vars_with: 3 is"):
+            two.extended.colocate_vars_with(3)
+    default = aiodist.get_strategy()
+    with default.extended.colocate_vars_with(plain):
+        assert type(aiodist.Variable(2.0)) is aiodist.Variable
