@@ -5,8 +5,12 @@ Each test names the TensorFlow document and example it reproduces (the copies ar
 ``MirroredStrategy(["cpu:0", "cpu:1"])`` (four GPUs become four CPU devices), tensors
 become NumPy arrays of the dtype TensorFlow shows, replica functions are ``async def``,
 and ``merge_call``/``all_reduce``/``all_gather``/``run``/``reduce``/``gather`` are awaited.
-Where a TensorFlow example reads a ``tf.data`` dataset, the same per-replica values are
-made with ``experimental_distribute_values_from_function``.
+Where a TensorFlow example reads a ``tf.data`` dataset, the dataset becomes a list of
+global batches given to ``experimental_distribute_dataset`` (some tests also make the same
+per-replica values with ``experimental_distribute_values_from_function``). Examples that
+need what aiodist has no counterpart for (TPUs, ``CentralStorageStrategy``, parameter
+servers, TF 1 only APIs, ``tf.device``) are left out, or run on a ``MirroredStrategy``
+where only the strategy is TPU-specific.
 """
 
 from __future__ import annotations
@@ -659,3 +663,297 @@ def test_colocate_vars_with_checks_as_tf_does(two, three):
     default = aiodist.get_strategy()
     with default.extended.colocate_vars_with(plain):
         assert type(aiodist.Variable(2.0)) is aiodist.Variable
+
+
+# -- tf.distribute.DistributedValues, from a distributed dataset -----------------------
+
+
+def five_to_eight():
+    """TF's ``from_tensor_slices([5., 6., 7., 8.]).batch(2)``: two global batches."""
+    return [np.array([5.0, 6.0], dtype=np.float32), np.array([7.0, 8.0], dtype=np.float32)]
+
+
+async def test_distributed_values_examples_from_a_distributed_dataset(two):
+    """tf.distribute.DistributedValues, examples 1, 3, 4 and 5 as written: the first
+    element of ``experimental_distribute_dataset`` over the batches ``[5., 6.]`` and
+    ``[7., 8.]`` is ``PerReplica:{0: [5.], 1: [6.]}``; ``input + 1.0`` in ``run`` gives
+    ``[6.]`` / ``[7.]``; SUM with ``axis=0`` gives 11.0; the local results are
+    ``([5.], [6.])`` (all float32)."""
+    dataset_iterator = aiter(two.experimental_distribute_dataset(five_to_eight()))
+    distributed_values = await anext(dataset_iterator)
+
+    async def run(input):
+        return input + 1.0
+
+    updated_value = await two.run(run, args=(distributed_values,))
+    reduced_value = await two.reduce(aiodist.ReduceOp.SUM, distributed_values, axis=0)
+    per_replica_values = two.experimental_local_results(distributed_values)
+
+    assert_per_replica(distributed_values, [[5.0], [6.0]], np.float32)
+    assert distributed_values.devices == ("/device:CPU:0", "/device:CPU:1")
+    assert_per_replica(updated_value, [[6.0], [7.0]], np.float32)
+    assert_tensor(reduced_value, 11.0, np.float32)
+    assert isinstance(per_replica_values, tuple)
+    assert len(per_replica_values) == 2
+    assert_tensor(per_replica_values[0], [5.0], np.float32)
+    assert_tensor(per_replica_values[1], [6.0], np.float32)
+
+
+def test_distributed_values_example_1_with_plain_iter_and_next(two):
+    """tf.distribute.DistributedValues, example 1 with TF's own ``iter``/``next``: a
+    plain iterable of global batches may be iterated without an event loop."""
+    distributed_values = next(iter(two.experimental_distribute_dataset(five_to_eight())))
+
+    assert_per_replica(distributed_values, [[5.0], [6.0]], np.float32)
+
+
+# -- Strategy.experimental_distribute_dataset and the custom loop (distribute_lib.py) --
+
+
+async def test_experimental_distribute_dataset_example(two):
+    """Strategy.experimental_distribute_dataset: ``Dataset.range(4).batch(2)`` on two
+    replicas, ``replica_fn(input) = input * 2`` over a Pythonic ``for`` loop gives
+    ``[PerReplica:{0: [0], 1: [2]}, PerReplica:{0: [4], 1: [6]}]`` (int64): each global
+    batch of 2 is split into per-replica batches of 1."""
+    global_batch_size = 2
+    values = np.arange(4, dtype=np.int64)
+    dataset = [values[i : i + global_batch_size] for i in range(0, 4, global_batch_size)]
+    dist_dataset = two.experimental_distribute_dataset(dataset)
+
+    async def replica_fn(input):
+        return input * 2
+
+    result = []
+    for x in dist_dataset:
+        result.append(await two.run(replica_fn, args=(x,)))
+
+    assert len(result) == 2
+    assert_per_replica(result[0], [[0], [2]], np.int64)
+    assert_per_replica(result[1], [[4], [6]], np.int64)
+
+
+async def test_strategy_class_custom_training_loop(two):
+    """tf.distribute.Strategy (class docstring), "a custom training loop can be as
+    simple as": per epoch, ``run`` over the distributed dataset and add up
+    ``reduce(SUM, ..., axis=None)``. With batches ``0..3`` and ``4..7`` and a
+    replica_fn summing its share, every epoch's total is 0 + 1 + ... + 7 = 28."""
+    epochs = 3
+    dataset = [np.arange(0, 4, dtype=np.float32), np.arange(4, 8, dtype=np.float32)]
+
+    with two.scope():
+
+        async def distribute_train_epoch(dataset):
+            async def replica_fn(input):
+                return np.sum(input)
+
+            total_result = 0
+            async for x in dataset:
+                per_replica_result = await two.run(replica_fn, args=(x,))
+                total_result += await two.reduce(
+                    aiodist.ReduceOp.SUM, per_replica_result, axis=None
+                )
+            return total_result
+
+    dist_dataset = two.experimental_distribute_dataset(dataset)
+    train_results = [await distribute_train_epoch(dist_dataset) for _ in range(epochs)]
+
+    assert train_results == [28.0] * epochs
+    assert all(np.asarray(r).dtype == np.float32 for r in train_results)
+
+
+async def test_input_options_example_on_mirrored_strategy(two):
+    """tf.distribute.InputOptions (docstring; TF's is on a TPUStrategy): ``range(16)``
+    distributed with ``PER_WORKER``, not placed on the device, a per-replica buffer of
+    1. The options are accepted and the one global batch of 16 is split 8 / 8."""
+    options = aiodist.InputOptions(
+        experimental_replication_mode=aiodist.InputReplicationMode.PER_WORKER,
+        experimental_place_dataset_on_device=False,
+        experimental_per_replica_buffer_size=1,
+    )
+    distributed_dataset_on_host = two.experimental_distribute_dataset(
+        [np.arange(16, dtype=np.int64)], options
+    )
+
+    batches = [x async for x in distributed_dataset_on_host]
+
+    assert len(batches) == 1
+    assert_per_replica(batches[0], [range(8), range(8, 16)], np.int64)
+
+
+# -- Strategy.scope and variable_created_in_scope (distribute_lib.py) ------------------
+
+
+def test_scope_example_mirrored_variable_inside_regular_outside(two):
+    """Strategy.scope: ``tf.Variable(1.)`` inside the scope is a MirroredVariable with
+    1.0 on each of the two devices (float32); outside it, a regular variable of 1.0."""
+    with two.scope():
+        mirrored_variable = aiodist.Variable(np.float32(1.0))
+    regular_variable = aiodist.Variable(np.float32(1.0))
+
+    assert isinstance(mirrored_variable, aiodist.MirroredVariable)
+    assert mirrored_variable.devices == ("/device:CPU:0", "/device:CPU:1")
+    local = two.experimental_local_results(mirrored_variable)
+    assert len(local) == 2
+    for value in local:
+        assert_tensor(value, 1.0, np.float32)
+    assert type(regular_variable) is aiodist.Variable
+    assert_tensor(regular_variable.read_value(), 1.0, np.float32)
+
+
+def test_variable_created_in_scope_examples():
+    """StrategyExtended.variable_created_in_scope: with ``MirroredStrategy()`` (its
+    default devices), a variable made in its scope gives True, one made outside
+    False."""
+    strategy = aiodist.MirroredStrategy()
+    with strategy.scope():
+        v = aiodist.Variable(1.0)
+    assert strategy.extended.variable_created_in_scope(v) is True
+
+    strategy = aiodist.MirroredStrategy()
+    v = aiodist.Variable(1.0)
+    assert strategy.extended.variable_created_in_scope(v) is False
+
+
+# -- StrategyExtended.update and ReplicaContext._update (distribute_lib.py) ------------
+# (The reduce_to and batch_reduce_to examples, which update through a merge_fn, are
+# test_variables.py::test_tf_reduce_to_update_example.)
+
+
+async def test_extended_update_example(two):
+    """StrategyExtended.update: ``tf.Variable(5.0, aggregation=SUM)`` updated with
+    ``v.assign(1.0)`` gives ``Mirrored:{0: 1.0, 1: 1.0}`` (float32), and both copies
+    read 1.0."""
+    with two.scope():
+        v = aiodist.Variable(np.float32(5.0), aggregation=aiodist.VariableAggregation.SUM)
+
+        def update_fn(v):
+            return v.assign(1.0)
+
+        result = await two.extended.update(v, update_fn)
+
+    assert isinstance(result, aiodist.Mirrored)
+    assert len(result.values) == 2
+    for component in result.values:
+        assert_tensor(component, 1.0, np.float32)
+    for value in two.experimental_local_results(v):
+        assert_tensor(value, 1.0, np.float32)
+
+
+async def test_replica_context_update_example_through_merge_call(two):
+    """ReplicaContext._update (TF's private replica-context update): a
+    MirroredVariable of 5.0 updated from ``replica_fn`` with ``var.assign(1.0)``
+    reads 1.0 on both copies. aiodist's ``extended.update`` is cross-replica, so the
+    replica function reaches it through ``merge_call``, as TF's ``_update`` does
+    internally; each replica gets its own copy back."""
+    with two.scope():
+        distributed_variable = aiodist.Variable(np.float32(5.0))
+    assert [float(c) for c in two.experimental_local_results(distributed_variable)] == [5.0, 5.0]
+
+    async def replica_fn(v):
+        value = np.float32(1.0)
+        replica_context = aiodist.get_replica_context()
+
+        def update_fn(var, value):
+            return var.assign(value)
+
+        def merge_fn(strategy, value):
+            return strategy.extended.update(v, update_fn, args=(value,))
+
+        return await replica_context.merge_call(merge_fn, args=(value,))
+
+    returned = await two.run(replica_fn, args=(distributed_variable,))
+
+    assert [c.device for c in returned.values] == ["/device:CPU:0", "/device:CPU:1"]
+    for value in two.experimental_local_results(distributed_variable):
+        assert_tensor(value, 1.0, np.float32)
+
+
+# -- ReplicaContext.merge_call outside a distributed scope (distribute_lib.py) ---------
+
+
+async def test_merge_call_outside_any_scope_calls_merge_fn_with_the_default_strategy():
+    """ReplicaContext.merge_call: "if not inside a distributed scope" it equals
+    ``merge_fn(get_strategy(), *args, **kwargs)`` in cross-replica context."""
+    default = aiodist.get_strategy()
+    seen = []
+
+    def merge_fn(strategy, a, b):
+        seen.append((strategy, aiodist.in_cross_replica_context()))
+        return a + b
+
+    result = await aiodist.get_replica_context().merge_call(merge_fn, args=(3,), kwargs={"b": 4})
+
+    assert result == 7
+    assert seen == [(default, True)]
+    assert not aiodist.in_cross_replica_context()
+
+
+# -- ReplicaContext.all_gather and Strategy.gather: shapes (distribute_lib.py) ---------
+
+
+async def test_all_gather_different_shapes_example(two):
+    """ReplicaContext.all_gather, "tensors with different shapes": replica 0 holds
+    ``{'a': [0], 'b': [[0, 1]]}``, replica 1 ``{'a': [1], 'b': [[2, 3], [4, 5]]}``;
+    along axis 0 every replica gets ``'b': [[0, 1], [2, 3], [4, 5]]`` and ``'a'``
+    the concatenation ``[0, 1]`` (TF's text shows ``[1, 2]``, which is no
+    concatenation of ``[0]`` and ``[1]``: a typo there)."""
+
+    async def gather():
+        if aiodist.get_replica_context().replica_id_in_sync_group == 0:
+            value = {"a": np.array([0]), "b": np.array([[0, 1]])}
+        else:
+            value = {"a": np.array([1]), "b": np.array([[2, 3], [4, 5]])}
+        return await aiodist.get_replica_context().all_gather(value, axis=0)
+
+    result = await two.run(gather)
+
+    for per_replica in two.experimental_local_results(result):
+        assert sorted(per_replica) == ["a", "b"]
+        assert_tensor(per_replica["a"], [0, 1], np.int64)
+        assert_tensor(per_replica["b"], [[0, 1], [2, 3], [4, 5]], np.int64)
+
+
+async def test_gather_and_all_gather_shapes_may_differ_only_along_axis(two):
+    """Strategy.gather and ReplicaContext.all_gather: components of shapes (1, 2, 3)
+    and (1, 3, 3) gather along axis 1 (to (1, 5, 3)) but not along axis 0 or 2,
+    where aiodist raises instead of TF's error (or hang)."""
+    parts = [np.zeros((1, 2, 3), np.float32), np.ones((1, 3, 3), np.float32)]
+    distributed_values = aiodist.PerReplica(parts)
+
+    async def all_gather(axis):
+        ctx = aiodist.get_replica_context()
+        return await ctx.all_gather(parts[ctx.replica_id_in_sync_group], axis=axis)
+
+    gathered = await two.gather(distributed_values, axis=1)
+    all_gathered = await two.run(all_gather, args=(1,))
+
+    expected = np.concatenate(parts, axis=1)
+    assert_tensor(gathered, expected, np.float32)
+    for value in two.experimental_local_results(all_gathered):
+        assert_tensor(value, expected, np.float32)
+    for axis in (0, 2):
+        with pytest.raises(ValueError, match=rf"shapes may differ only along axis {axis}"):
+            await two.gather(distributed_values, axis=axis)
+        with pytest.raises(aiodist.CollectiveMismatchError, match=rf"all_gather\(axis={axis}"):
+            await two.run(all_gather, args=(axis,))
+
+
+# -- tf.distribute.ReductionToOneDevice ------------------------------------------------
+
+
+async def test_reduction_to_one_device_page_example():
+    """tf.distribute.ReductionToOneDevice: ``MirroredStrategy(cross_device_ops=
+    ReductionToOneDevice())`` (default devices) is a working strategy whose
+    collectives reduce on one device: the SUM of 1.0 over its replicas is their count."""
+    cross_device_ops = aiodist.ReductionToOneDevice()
+    strategy = aiodist.MirroredStrategy(cross_device_ops=cross_device_ops)
+
+    async def step_fn():
+        return await aiodist.get_replica_context().all_reduce("sum", np.float32(1.0))
+
+    results = strategy.experimental_local_results(await strategy.run(step_fn))
+
+    assert strategy.extended._cross_device_ops is cross_device_ops
+    assert len(results) == strategy.num_replicas_in_sync
+    for value in results:
+        assert_tensor(value, strategy.num_replicas_in_sync, np.float32)
