@@ -308,6 +308,62 @@ def _binary(op: Callable[[Any, Any], Any]) -> tuple[Callable, Callable]:
     return method, reflected
 
 
+class _ReadsAsValue:
+    """What a variable and a ``VariableCopy`` share: they read as their value
+    (``read_value()``), and their arithmetic and comparisons act on it,
+    element-wise, as TF's do (an update's fn gets a copy that computes: without
+    these, ``copy * 2`` raised TypeError and ``copy == 5`` compared identities)."""
+
+    __slots__ = ()
+
+    def numpy(self) -> np.ndarray:
+        """A host (NumPy) copy of ``read_value()``."""
+        return np.array(host_array(self.read_value()), copy=True)
+
+    def __float__(self) -> float:
+        return float(self.read_value())
+
+    def __int__(self) -> int:
+        return int(self.read_value())
+
+    def __len__(self) -> int:
+        return len(self.read_value())
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.read_value()[index]
+
+    # Iteration and ``in`` over one read, as for the array read. Without them Python
+    # fell back to __getitem__(0), (1), ... until IndexError: a 0-d variable iterated
+    # as empty (``list(v)`` was [], ``x in v`` False) where NumPy and TF raise
+    # TypeError, and a sync-on-read one aggregated its copies once per element.
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.read_value())
+
+    def __contains__(self, item: Any) -> bool:
+        return item in self.read_value()
+
+    def __bool__(self) -> bool:
+        return bool(self.read_value())  # NumPy's rule: only a one-element value has a truth
+
+    __neg__ = _unary(operator.neg)
+    __abs__ = _unary(operator.abs)
+    __add__, __radd__ = _binary(operator.add)
+    __sub__, __rsub__ = _binary(operator.sub)
+    __mul__, __rmul__ = _binary(operator.mul)
+    __truediv__, __rtruediv__ = _binary(operator.truediv)
+    __floordiv__, __rfloordiv__ = _binary(operator.floordiv)
+    __mod__, __rmod__ = _binary(operator.mod)
+    __pow__, __rpow__ = _binary(operator.pow)
+    __matmul__, __rmatmul__ = _binary(operator.matmul)
+    __lt__, __gt__ = _binary(operator.lt)  # 1 < v is v > 1
+    __le__, __ge__ = _binary(operator.le)
+    __eq__ = _binary(operator.eq)[0]
+    __ne__ = _binary(operator.ne)[0]
+    __hash__ = None  # type: ignore[assignment]
+
+    __array_priority__ = 100  # ndarray op variable defers to the reflected methods
+
+
 class VariableRef:
     """What ``Variable.ref()`` returns: hashable and equal by the variable's identity."""
 
@@ -330,7 +386,7 @@ class VariableRef:
         return f"<VariableRef to {self._variable._name!r}>"
 
 
-class VariableCopy:
+class VariableCopy(_ReadsAsValue):
     """One copy of a distributed variable, as ``extended.update`` hands it to ``fn``.
 
     Reads as its array (``np.asarray(copy)``, ``copy.value()``, ``read_value()``,
@@ -366,51 +422,8 @@ class VariableCopy:
 
     read_value = value
 
-    def numpy(self) -> np.ndarray:
-        """A host (NumPy) copy of the value."""
-        return np.array(host_array(self.value()), copy=True)
-
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         return np.array(host_array(self.value()), dtype=dtype, copy=True)
-
-    def __float__(self) -> float:
-        return float(self.value())
-
-    def __int__(self) -> int:
-        return int(self.value())
-
-    def __bool__(self) -> bool:
-        return bool(self.value())
-
-    def __len__(self) -> int:
-        return len(self.value())
-
-    def __getitem__(self, index: Any) -> Any:
-        return self.value()[index]
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.value())
-
-    # As a variable's (below): on the value read, element-wise. Without them
-    # ``copy * 2`` in an update's fn raised TypeError, and ``copy == 5`` compared
-    # identities (False), where TF's fn gets a variable that computes.
-    __neg__ = _unary(operator.neg)
-    __abs__ = _unary(operator.abs)
-    __add__, __radd__ = _binary(operator.add)
-    __sub__, __rsub__ = _binary(operator.sub)
-    __mul__, __rmul__ = _binary(operator.mul)
-    __truediv__, __rtruediv__ = _binary(operator.truediv)
-    __floordiv__, __rfloordiv__ = _binary(operator.floordiv)
-    __mod__, __rmod__ = _binary(operator.mod)
-    __pow__, __rpow__ = _binary(operator.pow)
-    __matmul__, __rmatmul__ = _binary(operator.matmul)
-    __lt__, __gt__ = _binary(operator.lt)
-    __le__, __ge__ = _binary(operator.le)
-    __eq__ = _binary(operator.eq)[0]
-    __ne__ = _binary(operator.ne)[0]
-    __hash__ = None  # type: ignore[assignment]
-
-    __array_priority__ = 100  # ndarray op copy defers to the reflected methods
 
     def _write(self, kind: str, value: Any) -> VariableCopy:
         variable = self._variable
@@ -438,7 +451,7 @@ class VariableCopy:
         return f"<VariableCopy {self._variable._name!r} on {self.device}: {self.value()!r}>"
 
 
-class Variable:
+class Variable(_ReadsAsValue):
     """A variable: plain outside any scope, distributed inside ``strategy.scope()``.
 
     The default strategy counts as no strategy: in its ``run`` and ``merge_fn`` (a
@@ -642,62 +655,14 @@ class Variable:
 
     value = read_value
 
-    def numpy(self) -> np.ndarray:
-        """A host (NumPy) copy of ``read_value()``."""
-        return np.array(host_array(self.read_value()), copy=True)
-
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         value = host_array(self.read_value())
         return np.array(value, dtype=dtype, copy=True) if copy else np.asarray(value, dtype=dtype)
-
-    def __float__(self) -> float:
-        return float(self.read_value())
-
-    def __int__(self) -> int:
-        return int(self.read_value())
-
-    def __len__(self) -> int:
-        return len(self.read_value())
-
-    def __getitem__(self, index: Any) -> Any:
-        return self.read_value()[index]
-
-    # Iteration and ``in`` over one read, as for the array read. Without them Python
-    # fell back to __getitem__(0), (1), ... until IndexError: a 0-d variable iterated
-    # as empty (``list(v)`` was [], ``x in v`` False) where NumPy and TF raise
-    # TypeError, and a sync-on-read one aggregated its copies once per element.
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.read_value())
-
-    def __contains__(self, item: Any) -> bool:
-        return item in self.read_value()
-
-    def __bool__(self) -> bool:
-        return bool(self.read_value())  # NumPy's rule: only a one-element value has a truth
 
     def ref(self) -> VariableRef:
         """A hashable reference to this variable, for dict keys and sets: variables
         compare element-wise (``v == x`` is an array), so they are unhashable, as in TF."""
         return VariableRef(self)
-
-    # Arithmetic and comparisons act on read_value(), element-wise, as TF's do.
-    __neg__ = _unary(operator.neg)
-    __abs__ = _unary(operator.abs)
-    __add__, __radd__ = _binary(operator.add)
-    __sub__, __rsub__ = _binary(operator.sub)
-    __mul__, __rmul__ = _binary(operator.mul)
-    __truediv__, __rtruediv__ = _binary(operator.truediv)
-    __floordiv__, __rfloordiv__ = _binary(operator.floordiv)
-    __mod__, __rmod__ = _binary(operator.mod)
-    __pow__, __rpow__ = _binary(operator.pow)
-    __matmul__, __rmatmul__ = _binary(operator.matmul)
-    __lt__, __gt__ = _binary(operator.lt)  # 1 < v is v > 1
-    __le__, __ge__ = _binary(operator.le)
-    __eq__ = _binary(operator.eq)[0]
-    __ne__ = _binary(operator.ne)[0]
-    __hash__ = None  # type: ignore[assignment]
-
-    __array_priority__ = 100  # ndarray op variable defers to the reflected methods
 
     # -- writing ----------------------------------------------------------------------
 
