@@ -187,9 +187,35 @@ def _tensorflow(python: str | None, n: int, quick: bool, repeats: int) -> dict |
         print(f"TensorFlow benchmark failed for N={n}: {exc}", file=sys.stderr)
         return None
     if done.returncode != 0:
-        print(f"TensorFlow benchmark failed for N={n}:\n{done.stderr[-2000:]}", file=sys.stderr)
+        print(
+            f"TensorFlow benchmark failed for N={n}: {command[0]} exited {done.returncode}"
+            f"{_stderr_tail(done.stderr)}",
+            file=sys.stderr,
+        )
         return None
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    # The child's last line of stdout is its figures (benchmarks/tf_workloads.py).
+    # Anything else is reported like a failure: a crash here would lose every
+    # figure measured so far, the JSON file included.
+    lines = done.stdout.strip().splitlines()
+    try:
+        figures = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        figures = None
+    if not isinstance(figures, dict):
+        printed = f"a last line {lines[-1][:200]!r}" if lines else "nothing"
+        print(
+            f"TensorFlow benchmark failed for N={n}: {command[0]} exited 0 having printed "
+            f"{printed}; expected one line of JSON from benchmarks.tf_workloads"
+            f"{_stderr_tail(done.stderr)}",
+            file=sys.stderr,
+        )
+        return None
+    return figures
+
+
+def _stderr_tail(stderr: str) -> str:
+    """The end of a child's stderr, to append to a report of its failure."""
+    return f"; its stderr ended:\n{stderr[-2000:]}" if stderr.strip() else ""
 
 
 def _tf_python(option: str | None) -> str | None:

@@ -62,6 +62,33 @@ def test_the_tensorflow_side_gets_the_same_repeats(tmp_path):
     ]
 
 
+def _fake_python(tmp_path, script: str) -> str:
+    """An executable standing in for the TensorFlow Python: ``script`` is its shell body."""
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\n{script}\n")
+    fake.chmod(0o755)
+    return str(fake)
+
+
+@pytest.mark.parametrize(
+    ("script", "shown"),
+    [
+        ("exit 0", "exited 0 having printed nothing; expected one line of JSON"),
+        ("echo 'not json'", "exited 0 having printed a last line 'not json'; expected one"),
+        ("echo '[1, 2]'", "exited 0 having printed a last line '[1, 2]'; expected one"),
+        ("echo boom >&2; exit 3", "exited 3; its stderr ended:\nboom"),
+    ],
+)
+def test_a_tensorflow_side_without_figures_is_reported_not_a_crash(tmp_path, script, shown, capsys):
+    # A crash here would lose every aiodist figure measured before it.
+    from benchmarks.__main__ import _tensorflow
+
+    assert _tensorflow(_fake_python(tmp_path, script), 2, True, 1) is None
+    assert f"TensorFlow benchmark failed for N=2: {tmp_path / 'python'} {shown}" in (
+        capsys.readouterr().err
+    )
+
+
 async def test_workloads_and_floors_measure_positive_seconds_per_step():
     for measure in (
         workloads.measure_a,
