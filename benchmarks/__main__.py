@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import importlib.util
 import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -173,18 +175,34 @@ def _numpy_baselines(n: int, steps: dict, repeats: int) -> dict:
     }
 
 
-def _tensorflow(python: str | None, n: int, quick: bool, repeats: int) -> dict | None:
+# Seconds the TensorFlow side may take for one N (a full run took 28 s at N = 8
+# here, a quick one under 10 s, TF's import included) before it is stopped and
+# reported as failed: a child that hangs must not hang the suite.
+TF_TIMEOUT_S = {False: 600.0, True: 120.0}  # keyed by --quick
+
+
+def _tensorflow(
+    python: str | None, n: int, quick: bool, repeats: int, timeout: float | None = None
+) -> dict | None:
     if python is None:
         return None
     command = [python, "-m", "benchmarks.tf_workloads", "--replicas", str(n)]
     command += ["--repeats", str(repeats)]  # the same median as aiodist's figures
     if quick:
         command.append("--quick")
+    timeout = TF_TIMEOUT_S[quick] if timeout is None else timeout
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     try:
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
+        done = _run_child(command, env, timeout)
     except OSError as exc:  # (checked at the start; gone since)
         print(f"TensorFlow benchmark failed for N={n}: {exc}", file=sys.stderr)
+        return None
+    except subprocess.TimeoutExpired as exc:
+        print(
+            f"TensorFlow benchmark failed for N={n}: {command[0]} was still running after "
+            f"{timeout:g} s and was stopped{_stderr_tail(exc.stderr)}",
+            file=sys.stderr,
+        )
         return None
     if done.returncode != 0:
         print(
@@ -211,6 +229,40 @@ def _tensorflow(python: str | None, n: int, quick: bool, repeats: int) -> dict |
         )
         return None
     return figures
+
+
+def _run_child(command: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """Run ``command`` in ROOT, its output captured; past ``timeout`` seconds (or on any
+    exception, Ctrl-C included) kill it and everything it started, and re-raise.
+
+    The child leads a process group of its own so that a wrapper script's children
+    (``conda run``, a shell script around Python) are stopped with it: killing only
+    the wrapper would leave a hung TensorFlow process holding the cores.
+    """
+    with subprocess.Popen(
+        command,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(process)
+            _, stderr = process.communicate()  # what it wrote before it was stopped
+            raise subprocess.TimeoutExpired(command, timeout, stderr=stderr) from None
+        except BaseException:
+            _kill_group(process)
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):  # every process of it gone already
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def _stderr_tail(stderr: str) -> str:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import shutil
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -87,6 +89,34 @@ def test_a_tensorflow_side_without_figures_is_reported_not_a_crash(tmp_path, scr
     assert f"TensorFlow benchmark failed for N=2: {tmp_path / 'python'} {shown}" in (
         capsys.readouterr().err
     )
+
+
+def test_a_tensorflow_side_that_hangs_is_stopped_and_reported(tmp_path, capsys):
+    # A wrapper script whose Python hangs: both are stopped, not only the wrapper.
+    from benchmarks.__main__ import _tensorflow
+
+    pid_file = tmp_path / "pid"
+    script = f"echo started >&2; sleep 300 & echo $! > {pid_file}; wait"
+    started = time.perf_counter()
+    assert _tensorflow(_fake_python(tmp_path, script), 2, True, 1, timeout=1.0) is None
+    assert time.perf_counter() - started < 30
+    err = capsys.readouterr().err
+    assert f"N=2: {tmp_path / 'python'} was still running after 1 s and was stopped" in err
+    assert "its stderr ended:\nstarted" in err
+    sleeper = int(pid_file.read_text())
+    for _ in range(100):  # killed at once; reaped by init a moment later
+        if not Path(f"/proc/{sleeper}").exists() or "Z" in _proc_state(sleeper):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the hung child {sleeper} is still running")
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return "Z"
 
 
 async def test_workloads_and_floors_measure_positive_seconds_per_step():
