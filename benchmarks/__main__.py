@@ -270,6 +270,15 @@ def _stderr_tail(stderr: str) -> str:
     return f"; its stderr ended:\n{stderr[-2000:]}" if stderr.strip() else ""
 
 
+def _checked_tf_python(option: str) -> str:
+    """``--tf-python``: the executable it names, as an absolute path (the TensorFlow
+    side runs in the repository root, where a relative path means something else)."""
+    found = shutil.which(option)
+    if found is None:
+        raise ValueError(f"--tf-python {option!r}: no such executable")
+    return os.path.abspath(found)
+
+
 def _tf_python(option: str | None) -> str | None:
     if option:
         return option
@@ -391,8 +400,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"--json {str(args.json)!r}: the folder {str(args.json.parent)!r} does not exist"
         )
-    if args.tf_python is not None and not args.no_tf and shutil.which(args.tf_python) is None:
-        parser.error(f"--tf-python {args.tf_python!r}: no such executable")
+    if args.tf_python is not None and not args.no_tf:
+        try:
+            args.tf_python = _checked_tf_python(args.tf_python)
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.gpu:
         return _gpu_main(args)
 

@@ -91,6 +91,21 @@ def test_a_tensorflow_side_without_figures_is_reported_not_a_crash(tmp_path, scr
     )
 
 
+def test_a_relative_tf_python_is_the_one_it_names_from_where_the_suite_started(
+    tmp_path, monkeypatch
+):
+    # The TensorFlow side runs in the repository root: 'venv/python' given from
+    # elsewhere must still name the file under the folder the user was in.
+    from benchmarks.__main__ import _checked_tf_python, _tensorflow
+
+    (tmp_path / "venv").mkdir()
+    _fake_python(tmp_path / "venv", 'echo "{\\"replicas\\": 2}"')
+    monkeypatch.chdir(tmp_path)
+    python = _checked_tf_python("venv/python")
+    assert python == str(tmp_path / "venv" / "python")
+    assert _tensorflow(python, 2, True, 1) == {"replicas": 2}
+
+
 def test_a_tensorflow_side_that_hangs_is_stopped_and_reported(tmp_path, capsys):
     # A wrapper script whose Python hangs: both are stopped, not only the wrapper.
     from benchmarks.__main__ import _tensorflow
