@@ -270,13 +270,46 @@ def _stderr_tail(stderr: str) -> str:
     return f"; its stderr ended:\n{stderr[-2000:]}" if stderr.strip() else ""
 
 
+# Run by the --tf-python to check it before anything is measured: finding the
+# module is enough (importing TensorFlow takes seconds).
+TF_PROBE = (
+    "import importlib.util; print('tensorflow', importlib.util.find_spec('tensorflow') is not None)"
+)
+TF_PROBE_TIMEOUT_S = 60.0
+
+
 def _checked_tf_python(option: str) -> str:
     """``--tf-python``: the executable it names, as an absolute path (the TensorFlow
-    side runs in the repository root, where a relative path means something else)."""
+    side runs in the repository root, where a relative path means something else),
+    once it has shown that it is a Python that can import TensorFlow. Raises
+    ``ValueError`` saying what it is instead."""
     found = shutil.which(option)
     if found is None:
         raise ValueError(f"--tf-python {option!r}: no such executable")
-    return os.path.abspath(found)
+    python = os.path.abspath(found)
+    expected = "expected a Python with TensorFlow installed"
+    try:
+        done = _run_child([python, "-c", TF_PROBE], dict(os.environ), TF_PROBE_TIMEOUT_S)
+    except OSError as exc:
+        raise ValueError(f"--tf-python {option!r}: it cannot be run ({exc}); {expected}") from None
+    except subprocess.TimeoutExpired:
+        raise ValueError(
+            f"--tf-python {option!r}: '{python} -c ...' did not finish in "
+            f"{TF_PROBE_TIMEOUT_S:g} s; {expected}"
+        ) from None
+    answer = done.stdout.strip()
+    if done.returncode == 0 and answer == "tensorflow True":
+        return python
+    if done.returncode == 0 and answer == "tensorflow False":
+        raise ValueError(
+            f"--tf-python {option!r}: that Python cannot import tensorflow; {expected} "
+            "(pip install tensorflow-cpu with it, or name another)"
+        )
+    raise ValueError(
+        f"--tf-python {option!r} is not a Python that can run this check: '{python} -c "
+        f"...' exited {done.returncode} having printed {answer[-200:]!r}; {expected}"
+        f"{_stderr_tail(done.stderr)}"
+    )
 
 
 def _tf_python(option: str | None) -> str | None:

@@ -99,11 +99,51 @@ def test_a_relative_tf_python_is_the_one_it_names_from_where_the_suite_started(
     from benchmarks.__main__ import _checked_tf_python, _tensorflow
 
     (tmp_path / "venv").mkdir()
-    _fake_python(tmp_path / "venv", 'echo "{\\"replicas\\": 2}"')
+    # Answers the up-front check as a Python with TensorFlow would, then the run.
+    probe_answer = 'if [ "$1" = -c ]; then echo tensorflow True; exit; fi'
+    _fake_python(tmp_path / "venv", f'{probe_answer}\necho "{{\\"replicas\\": 2}}"')
     monkeypatch.chdir(tmp_path)
     python = _checked_tf_python("venv/python")
     assert python == str(tmp_path / "venv" / "python")
     assert _tensorflow(python, 2, True, 1) == {"replicas": 2}
+
+
+@pytest.mark.parametrize(
+    ("script", "shown"),
+    [
+        # A real Python, isolated from site-packages: no tensorflow to find.
+        (
+            f'exec {sys.executable} -I -S "$@"',
+            "that Python cannot import tensorflow; expected a Python with TensorFlow",
+        ),
+        (
+            "exit 0",
+            "is not a Python that can run this check: '{path} -c ...' exited 0 having "
+            "printed ''; expected a Python with TensorFlow installed",
+        ),
+        (
+            "echo nope >&2; exit 1",
+            "exited 1 having printed ''; expected a Python with "
+            "TensorFlow installed; its stderr ended:\nnope",
+        ),
+        (None, "it cannot be run ([Errno 8] Exec format error"),
+    ],
+)
+def test_a_tf_python_without_tensorflow_is_refused_before_measuring(
+    tmp_path, script, shown, capsys
+):
+    if script is None:  # executable, but not a program the system can start
+        python = tmp_path / "python"
+        python.write_bytes(b"\0\1\2")
+        python.chmod(0o755)
+    else:
+        python = _fake_python(tmp_path, script)
+    with pytest.raises(SystemExit) as exited:
+        main(["--tf-python", str(python), "--replicas", "2"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: --tf-python '{python}'" in err
+    assert shown.format(path=python) in err
 
 
 def test_a_tensorflow_side_that_hangs_is_stopped_and_reported(tmp_path, capsys):
