@@ -433,6 +433,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"--json {str(args.json)!r}: the folder {str(args.json.parent)!r} does not exist"
         )
+    if args.json is not None and args.json.is_dir():
+        parser.error(
+            f"--json {str(args.json)!r} is a folder; expected a file to write the figures "
+            f"to, such as {str(args.json / 'benchmarks.json')!r}"
+        )
     if args.tf_python is not None and not args.no_tf:
         try:
             args.tf_python = _checked_tf_python(args.tf_python)

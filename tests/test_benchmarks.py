@@ -33,6 +33,8 @@ from benchmarks.__main__ import (
         (["--replicas", ""], "argument --replicas: ''; expected distinct comma-separated"),
         (["--replicas", "2,2"], "argument --replicas: '2,2'; expected distinct comma-separated"),
         (["--json", "/no/such/folder/out.json"], "the folder '/no/such/folder' does not exist"),
+        (["--json", "."], "--json '.' is a folder; expected a file to write the figures to"),
+        (["--gpu", "--json", "/"], "--json '/' is a folder; expected a file"),
         (["--tf-python", "/no/such/python"], "--tf-python '/no/such/python': no such executable"),
         (["--repeats", "0"], "argument --repeats: '0'; expected a whole number >= 1"),
         (["--repeats", "two"], "argument --repeats: 'two'; expected a whole number >= 1"),
