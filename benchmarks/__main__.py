@@ -1,7 +1,9 @@
 """``python -m benchmarks``: aiodist against its floors, NumPy and TensorFlow, in one run.
 
 Prints one table (medians of several repeats) for N = 2, 4, 8 CPU replicas on
-the asyncio and uvloop loops, and writes the figures as JSON. When TensorFlow is
+the asyncio and uvloop loops, and writes the figures as JSON (``--json``): the
+times measured and, under ``"table"``, the ratios and GB/s the table shows
+(``null`` where it shows none). When TensorFlow is
 importable (``pip install 'aiodist[bench-tf]'``, or ``--tf-python`` naming an
 interpreter that has it), the same workloads run on ``tf.distribute`` in one
 subprocess per N (logical devices are fixed per process) and the table shows
@@ -147,6 +149,11 @@ def _scaling(loop_factory, n: int, steps: int, repeats: int) -> dict:
             for key, measure in (("aiodist", w.measure_f), ("floor", w.floor_f)):
                 times = [runner.run(measure(n, runs, concurrent)) for _ in range(repeats)]
                 out[key].append(statistics.median(times))
+    # The table's ratios, kept in the JSON beside the times they come from.
+    out["x_floor"] = [
+        ours / floor for ours, floor in zip(out["aiodist"], out["floor"], strict=True)
+    ]
+    out["aiodist_vs_one"] = [ours / out["aiodist"][0] for ours in out["aiodist"]]
     return out
 
 
@@ -155,13 +162,13 @@ def _scaling_table(scaling: dict) -> str:
         f"(f) scaling, N={scaling['replicas']}: seconds per run of (b) with runs in flight",
         f"{'in flight':>9} {'aiodist':>11} {'floor':>11} {'x floor':>8} {'aiodist vs 1':>12}",
     ]
-    alone = scaling["aiodist"][0]
-    for count, ours, floor in zip(
-        scaling["in_flight"], scaling["aiodist"], scaling["floor"], strict=True
+    columns = ("in_flight", "aiodist", "floor", "x_floor", "aiodist_vs_one")
+    for count, ours, floor, x_floor, vs_one in zip(
+        *(scaling[column] for column in columns), strict=True
     ):
         lines.append(
             f"{count:>9} {_fmt_time(ours):>11} {_fmt_time(floor):>11} "
-            f"{ours / floor:7.2f}x {ours / alone:11.2f}x"
+            f"{x_floor:7.2f}x {vs_one:11.2f}x"
         )
     return "\n".join(lines)
 
@@ -326,52 +333,74 @@ def _fmt_time(seconds: float) -> str:
     return f"{seconds * 1e6:8.1f} us"
 
 
+def _table_figures(report: dict) -> dict:
+    """What the table shows beyond the measured times, as the JSON's ``"table"``: per
+    N and workload, the baseline and 'x baseline', TensorFlow's times and the 'vs TF'
+    ratios and (d)'s GB/s, all taken from the ``"loop"`` column (uvloop where it is
+    measured); ``None`` (JSON null) where the table shows nothing."""
+    best = "uvloop" if "uvloop" in report["loops"] else "asyncio"
+    rows: dict = {}
+    for n_key, per_n in report["results"].items():
+        tf = (report["tensorflow"].get(n_key) or {}).get("results", {})
+        rows[n_key] = {}
+        for key, _label, _unit in ROWS:
+            ours = per_n[best][key]
+            mib = int(key.split("_")[-1].removesuffix("MiB")) if key.startswith("d_") else 0
+            if key in FLOORED:
+                base = per_n[best][FLOORED[key]]
+            elif key.startswith("g_"):
+                base = per_n[best]["b_all_reduce_scalar"]
+            elif mib:
+                base = per_n["numpy"][f"numpy_{mib}MiB"]
+            else:
+                base = None
+            if key in FLOORED:  # paired round by round (see FLOORED)
+                x_base = per_n[best]["x_floor"][key]
+            else:
+                x_base = ours / base if base is not None else None
+            eager = tf.get(key, {}).get("eager")
+            function = tf.get(key, {}).get("function")
+            rows[n_key][key] = {
+                "aiodist": ours,
+                "baseline": base,
+                "x_baseline": x_base,
+                "tf_eager": eager,
+                "tf_function": function,
+                "vs_tf_eager": eager / ours if eager else None,  # TF time / aiodist time
+                "vs_tf_function": function / ours if function else None,
+                "gb_per_s": int(n_key) * mib * w.MIB / ours / 1e9 if mib else None,
+            }
+    return {"loop": best, "rows": rows}
+
+
 def _table(report: dict) -> str:
     loops = report["loops"]
-    best = "uvloop" if "uvloop" in loops else "asyncio"
+    figures = _table_figures(report)
     header = (
         f"{'workload':26} {'N':>2} "
         + " ".join(f"{'aiodist ' + name:>16}" for name in loops)
         + f" {'baseline':>12} {'x baseline':>10} {'TF eager':>11} {'TF function':>11}"
         + f" {'vs TF eager':>11} {'vs TF fn':>9}"
     )
+
+    def cell(value: float | None, form: str) -> str:
+        return "" if value is None else form.format(value)
+
     lines = [header, "-" * len(header)]
     for n_key, per_n in report["results"].items():
-        n = int(n_key)
-        tf = (report["tensorflow"].get(n_key) or {}).get("results", {})
         for key, label, _unit in ROWS:
-            times = [per_n[name][key] for name in loops]
-            ours = per_n[best][key]
-            baseline, ratio = "", ""
-            if key in FLOORED:
-                base = per_n[best][FLOORED[key]]
-            elif key.startswith("g_"):
-                base = per_n[best]["b_all_reduce_scalar"]
-            elif key.startswith("d_"):
-                mib = int(key.split("_")[-1].removesuffix("MiB"))
-                base = per_n["numpy"][f"numpy_{mib}MiB"]
-            else:
-                base = None
-            if base is not None:
-                # A floored workload's ratio is paired round by round (see FLOORED).
-                x = per_n[best]["x_floor"][key] if key in FLOORED else ours / base
-                baseline, ratio = _fmt_time(base), f"{x:9.2f}x"
-            eager = tf.get(key, {}).get("eager")
-            function = tf.get(key, {}).get("function")
-            vs_eager = f"{eager / ours:10.1f}x" if eager else ""
-            vs_function = f"{function / ours:8.1f}x" if function else ""
+            row = figures["rows"][n_key][key]
             lines.append(
-                f"{label:26} {n:>2} "
-                + " ".join(f"{_fmt_time(t):>16}" for t in times)
-                + f" {baseline:>12} {ratio:>10}"
-                + f" {_fmt_time(eager) if eager else '':>11}"
-                + f" {_fmt_time(function) if function else '':>11}"
-                + f" {vs_eager:>11} {vs_function:>9}"
+                f"{label:26} {n_key:>2} "
+                + " ".join(f"{_fmt_time(per_n[name][key]):>16}" for name in loops)
+                + f" {_fmt_time(row['baseline']) if row['baseline'] is not None else '':>12}"
+                + f" {cell(row['x_baseline'], '{:9.2f}x'):>10}"
+                + f" {_fmt_time(row['tf_eager']) if row['tf_eager'] else '':>11}"
+                + f" {_fmt_time(row['tf_function']) if row['tf_function'] else '':>11}"
+                + f" {cell(row['vs_tf_eager'], '{:10.1f}x'):>11}"
+                + f" {cell(row['vs_tf_function'], '{:8.1f}x'):>9}"
+                + cell(row["gb_per_s"], "   {:5.1f} GB/s in")
             )
-            if key.startswith("d_"):
-                mib = int(key.split("_")[-1].removesuffix("MiB"))
-                gbps = n * mib * w.MIB / ours / 1e9
-                lines[-1] += f"   {gbps:5.1f} GB/s in"
         lines.append("")
     lines.append(
         "baseline: (a) N bare tasks; (b)(c) N bare tasks meeting at one future; "
@@ -380,7 +409,7 @@ def _table(report: dict) -> str:
         "'x baseline' = aiodist time / baseline time ((a)-(c): the median of "
         "the ratios of rounds that measured both in turn); "
         "'vs TF ...' = TF time / aiodist time (above 1x, aiodist "
-        f"is faster); both use the {best} column."
+        f"is faster); both use the {figures['loop']} column."
     )
     return "\n".join(lines)
 
@@ -490,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     report["seconds"] = round(time.perf_counter() - started, 1)
+    report["table"] = _table_figures(report)  # the table's derived figures, for the JSON
 
     print(f"aiodist {report['aiodist']} benchmarks, {report['date']}, {report['machine']}")
     print(f"Python {report['python']}; median of {repeats} repeats; {report['seconds']} s\n")

@@ -4,6 +4,7 @@ workloads measure real runs (the figures themselves are not asserted here)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import sys
 import time
@@ -216,6 +217,43 @@ def test_the_table_shows_the_paired_ratio_not_the_ratio_of_medians():
     assert ratios["(g)"] == "1.00x"  # (g) against (b): no rounds, the ratio of medians
 
 
+def test_the_json_holds_every_figure_the_table_shows():
+    # Ratios and GB/s as well as times: the JSON is what runs are compared by.
+    from benchmarks.__main__ import _table_figures
+
+    times = {key: 20e-6 for key, _, _ in ROWS} | dict.fromkeys(FLOORED.values(), 10e-6)
+    per_loop = {**times, "x_floor": dict.fromkeys(FLOORED, 1.75), "d_all_reduce_64MiB": 0.01}
+    numpy = {f"numpy_{mib}MiB": 0.025 for mib in (1, 16, 64)}
+    tf = {
+        "a_run_constant": {"eager": 2e-3, "function": 3e-4},
+        "d_all_reduce_64MiB": {"eager": 0.02},
+    }
+    report = {
+        "loops": ["asyncio", "uvloop"],
+        "results": {"4": {"asyncio": per_loop, "uvloop": per_loop, "numpy": numpy}},
+        "tensorflow": {"4": {"results": tf}},
+    }
+    report["table"] = _table_figures(report)
+    saved = json.loads(json.dumps(report, allow_nan=False))  # valid JSON: no NaN, no Infinity
+    assert saved["table"]["loop"] == "uvloop"
+    rows = saved["table"]["rows"]["4"]
+    table = _table(report).splitlines()[2:11]  # the rows of N = 4
+    shown = {line[:26].strip(): " ".join(line[29:].split()[6:]) for line in table}
+
+    a = rows["a_run_constant"]
+    assert a["x_baseline"] == 1.75  # the paired ratio
+    assert (a["vs_tf_eager"], a["vs_tf_function"]) == (2e-3 / 20e-6, 3e-4 / 20e-6)  # TF / ours
+    assert shown["(a) run, constant"] == "1.75x 2.00 ms 300.0 us 100.0x 15.0x"
+    d = rows["d_all_reduce_64MiB"]
+    assert (d["baseline"], d["x_baseline"], d["vs_tf_eager"]) == (0.025, 0.01 / 0.025, 2.0)
+    assert d["tf_function"] is None and d["vs_tf_function"] is None  # not measured: null
+    assert d["gb_per_s"] == 4 * 64 * (1 << 20) / 0.01 / 1e9
+    assert shown["(d) all_reduce 64 MiB"] == "0.40x 20.00 ms 2.0x 26.8 GB/s in"
+    e = rows["e_batched_100x1KiB"]
+    assert set(e.values()) == {20e-6, None}  # the table shows only its times
+    assert shown["(e) 100 x 1 KiB batched"] == ""
+
+
 def test_the_scaling_table_has_a_row_per_count_in_flight():
     scaling = _scaling(asyncio.new_event_loop, 2, 8, 1)
     assert scaling["in_flight"] == list(IN_FLIGHT)
@@ -223,6 +261,9 @@ def test_the_scaling_table_has_a_row_per_count_in_flight():
     rows = _scaling_table(scaling).splitlines()[2:]
     assert [int(row.split()[0]) for row in rows] == list(IN_FLIGHT)
     assert rows[0].endswith("1.00x")  # per-run cost relative to one run in flight
+    # The table's ratios are in the JSON too.
+    assert [f"{x:7.2f}x".strip() for x in scaling["x_floor"]] == [row.split()[5] for row in rows]
+    assert [f"{x:.2f}x" for x in scaling["aiodist_vs_one"]] == [row.split()[6] for row in rows]
 
 
 def test_instruction_counting_runs_a_workload_in_its_child_mode():
