@@ -72,11 +72,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     if args.replicas < 1:
-        parser.error("--replicas must be at least 1")
+        parser.error(f"--replicas {args.replicas}; expected a whole number >= 1")
     if args.repeats is None:
         args.repeats = 3 if args.quick else 5
     if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
+        parser.error(f"--repeats {args.repeats}; expected a whole number >= 1")
     return args
 
 

@@ -48,6 +48,25 @@ def test_bad_arguments_are_refused_by_name(argv, shown, capsys):
     assert shown in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "shown"),
+    [
+        (["--replicas", "0"], "--replicas 0; expected a whole number >= 1"),
+        (["--replicas", "-2"], "--replicas -2; expected a whole number >= 1"),
+        (["--replicas", "2", "--repeats", "0"], "--repeats 0; expected a whole number >= 1"),
+        (["--replicas", "a"], "argument --replicas: invalid int value: 'a'"),
+    ],
+)
+def test_the_tensorflow_side_refuses_bad_arguments_by_name(argv, shown, capsys):
+    # Parsed before TensorFlow is imported: checkable without it.
+    from benchmarks import tf_workloads
+
+    with pytest.raises(SystemExit) as exited:
+        tf_workloads.main(argv)
+    assert exited.value.code == 2
+    assert shown in capsys.readouterr().err
+
+
 def test_the_tensorflow_side_gets_the_same_repeats(tmp_path):
     from benchmarks.__main__ import _tensorflow
 
