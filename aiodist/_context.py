@@ -44,6 +44,7 @@ __all__ = [
     "STRATEGY",
     "Scope",
     "current_replica",
+    "current_strategy",
     "current_state",
     "experimental_set_strategy",
     "get_cross_replica_context",
@@ -109,9 +110,14 @@ def get_strategy() -> Strategy:
     return _default["strategy"] if strategy is None else strategy
 
 
+def current_strategy() -> Strategy | None:
+    """The current strategy, or None for none or the default one (see ``non_default``)."""
+    return non_default(_STATE.get()[STRATEGY])
+
+
 def has_strategy() -> bool:
     """Whether a strategy other than the default one is current."""
-    return non_default(_STATE.get()[STRATEGY]) is not None
+    return current_strategy() is not None
 
 
 def non_default(strategy: Strategy | None) -> Strategy | None:

@@ -202,9 +202,9 @@ class StrategyExtended:
         """
         method = "colocate_vars_with"
         _context.require_cross_replica(self._strategy, method)
-        default = self._strategy is _context._default.get("strategy")
-        current = _context.non_default(_context.current_state()[_context.STRATEGY])
-        if current is not self._strategy and not default:
+        # (Past require_cross_replica, the current strategy is none, the default one,
+        # or this one.)
+        if not _context.has_strategy() and _context.non_default(self._strategy) is not None:
             raise ContextError(
                 f"{method}() of {self._strategy!r} was called outside its scope; use it "
                 "inside `with strategy.scope():`, where the variables it places are made."

@@ -546,11 +546,7 @@ class Variable(_ReadsAsValue):
                 f"{self._aggregation.name} (a sum of bools is not a bool); use NONE or "
                 "ONLY_FIRST_REPLICA, or an integer dtype."
             )
-        strategy = (
-            None
-            if type(self) is Variable
-            else _context.non_default(_context.current_state()[_context.STRATEGY])
-        )
+        strategy = None if type(self) is Variable else _context.current_strategy()
         if type(self) is not Variable and strategy is None:
             raise ContextError(
                 f"{type(self).__name__} {self._name!r} was created outside any strategy "
@@ -705,7 +701,7 @@ class Variable(_ReadsAsValue):
         not be combined, and it raises "Mixing different ... strategies"."""
         if self._strategy is None:
             return
-        current = _context.non_default(_context.current_state()[_context.STRATEGY])
+        current = _context.current_strategy()
         if current is not None and current is not self._strategy:
             raise _context._mixing(current, self._strategy)
 
@@ -1130,10 +1126,12 @@ def _update_copies(
     # Variables of the strategy among the arguments (TF's colocated ones) are
     # distributed values there: each call gets their copy on its device.
     own = variable._strategy
-    unwrap = own is not None and any(
-        isinstance(leaf, Variable) and leaf._strategy is own
-        for leaf in (*_nest.flatten(args), *_nest.flatten(kwargs))
-    )
+    unwrap = False
+    if own is not None:  # (a plain variable's update has none to unwrap)
+        for leaf in _nest.flatten((args, kwargs) if kwargs else args):
+            if isinstance(leaf, Variable) and leaf._strategy is own:
+                unwrap = True
+                break
     for copy, rid in zip(variable._copies(), variable._replica_of_copy, strict=True):
         # Each copy with the component, device and stream of its first replica.
         copy_args = select_replica(rid, args, n)

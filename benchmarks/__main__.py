@@ -375,7 +375,7 @@ def _table_figures(report: dict) -> dict:
 
 def _table(report: dict) -> str:
     loops = report["loops"]
-    figures = _table_figures(report)
+    figures = report.get("table") or _table_figures(report)  # (main() made it already)
     header = (
         f"{'workload':26} {'N':>2} "
         + " ".join(f"{'aiodist ' + name:>16}" for name in loops)
@@ -386,6 +386,9 @@ def _table(report: dict) -> str:
     def cell(value: float | None, form: str) -> str:
         return "" if value is None else form.format(value)
 
+    def time_cell(seconds: float | None) -> str:
+        return "" if seconds is None else _fmt_time(seconds)
+
     lines = [header, "-" * len(header)]
     for n_key, per_n in report["results"].items():
         for key, label, _unit in ROWS:
@@ -393,10 +396,10 @@ def _table(report: dict) -> str:
             lines.append(
                 f"{label:26} {n_key:>2} "
                 + " ".join(f"{_fmt_time(per_n[name][key]):>16}" for name in loops)
-                + f" {_fmt_time(row['baseline']) if row['baseline'] is not None else '':>12}"
+                + f" {time_cell(row['baseline']):>12}"
                 + f" {cell(row['x_baseline'], '{:9.2f}x'):>10}"
-                + f" {_fmt_time(row['tf_eager']) if row['tf_eager'] else '':>11}"
-                + f" {_fmt_time(row['tf_function']) if row['tf_function'] else '':>11}"
+                + f" {time_cell(row['tf_eager']):>11}"
+                + f" {time_cell(row['tf_function']):>11}"
                 + f" {cell(row['vs_tf_eager'], '{:10.1f}x'):>11}"
                 + f" {cell(row['vs_tf_function'], '{:8.1f}x'):>9}"
                 + cell(row["gb_per_s"], "   {:5.1f} GB/s in")
