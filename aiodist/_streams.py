@@ -56,7 +56,14 @@ def step_through(
             except BaseException as exc:  # CancelledError included: forwarded into coro
                 send, throw = None, exc
         started = False
-        token = activate() if activate is not None else None
+        try:
+            token = activate() if activate is not None else None
+        except BaseException:
+            # The step never ran (no device or stream to run it on): close coro now,
+            # or it would be left unstarted ("coroutine ... was never awaited") or
+            # suspended, its finally blocks run whenever it is garbage collected.
+            coro.close()
+            raise
         try:
             yielded = coro.send(send) if throw is None else coro.throw(throw)
         except StopIteration as stop:

@@ -9,6 +9,8 @@ adds stream bookkeeping), driven by the real scheduler.
 from __future__ import annotations
 
 import asyncio
+import gc
+import sys
 
 import numpy as np
 import pytest
@@ -120,6 +122,51 @@ async def test_drive_forwards_exceptions_and_cancellation_under_activation():
     with pytest.raises(KeyError):
         await drive(failing(), lambda: backend.activate(device, "s2"), backend.deactivate)
     assert backend.current == "default"
+
+
+async def test_drive_closes_the_coroutine_when_activation_fails():
+    """activate() raising (say, setting the device fails) ends the replica's
+    coroutine at once: unstarted, it was left "never awaited" (a RuntimeWarning at
+    garbage collection); suspended, its finally blocks ran only whenever it was
+    collected, not as the failure propagated."""
+    backend = TrackingBackend()
+    device = Device("CPU", 0)
+    events = []
+
+    async def replica():
+        try:
+            await asyncio.sleep(0)
+            events.append("resumed")
+        finally:
+            events.append("finally")
+
+    def failing(after: int):
+        calls = [0]
+
+        def activate():
+            calls[0] += 1
+            if calls[0] > after:
+                raise RuntimeError("cannot make the device current")
+            return backend.activate(device, "s3")
+
+        return activate
+
+    unraisable = []  # (a "never awaited" warning is raised where it cannot propagate)
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        for after, expected in ((0, []), (1, ["finally"])):  # its first step; its resume
+            events.clear()
+            coro = replica()
+            with pytest.raises(RuntimeError, match="cannot make the device current"):
+                await drive(coro, failing(after), backend.deactivate)
+            assert coro.cr_frame is None, "the coroutine was left open"
+            assert events == expected
+            assert backend.current == "default"
+        del coro
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert unraisable == []
 
 
 def _tracked_group(backend: TrackingBackend) -> RunGroup:
