@@ -32,7 +32,7 @@ import numpy as np
 
 from . import _context
 from ._arrays import as_axis, check_reducible, gather_axis, leaf_text, mean_of_sum, mean_operand
-from ._backends import backend_for, cpu_backend, is_cupy_array
+from ._backends import backend_for, cpu_backend, is_cupy_array, is_cupy_type
 from ._checks import refuse_ragged, whole_number
 from ._devices import HOST, Device, parse_device
 from ._errors import InvalidArgumentError
@@ -461,7 +461,11 @@ class CrossDeviceOps:
         check_alike(arrays, "reduce")
         for array in arrays:
             check_reducible(op, array, "reduce")
+        if self._gather_device(devices).kind == "CPU" and _any_on_gpu(arrays):
+            arrays = await _to_host(arrays)  # combined on the host
         reduced = self._reduce_arrays(op, arrays, devices[0])
+        if devices[0].kind == "CPU" and is_cupy_array(reduced):  # (reduce_to_device a GPU)
+            (reduced,) = await _to_host([reduced])
         return self._deliver(reduced, devices)
 
     async def batch_reduce(
@@ -500,9 +504,13 @@ class CrossDeviceOps:
                 f"broadcast: tensor is a {type(tensor).__name__}; expected a single array "
                 "(reduce it first, or pick a component with experimental_local_results)."
             )
+        copy = True  # the caller's array: its memory is never handed out
+        if devices[0].kind == "CPU" and is_cupy_array(tensor):
+            (tensor,) = await _to_host([tensor])
+            copy = False  # a host copy of its own already
         # _deliver places it, and copies only what it got back as the caller's own.
         try:
-            return self._deliver(tensor, devices, copy=True)
+            return self._deliver(tensor, devices, copy=copy)
         except ValueError:
             refuse_ragged([tensor], "broadcast")
             raise
@@ -521,6 +529,8 @@ class CrossDeviceOps:
         refuse_structure(per_replica_value, "CrossDeviceOps.gather")
         arrays = _components(per_replica_value, "gather")
         _check_gatherable(arrays, axis, "gather")
+        if devices[0].kind == "CPU" and _any_on_gpu(arrays):
+            arrays = await _to_host(arrays)  # concatenated on the host
         backend = backend_for(devices[0])
         parts = [backend.asarray(array, devices[0]) for array in arrays]
         with backend.on_device(devices[0]):
@@ -797,6 +807,25 @@ def _combine_on_device(xp: Any, op: ReduceOp, values: Sequence[Any]) -> Any:
     for value in values[2:]:
         combine(total, value, out=total)
     return total
+
+
+def _any_on_gpu(arrays: Sequence[Any]) -> bool:
+    """Whether any of ``arrays`` is a CuPy array (a test per type, not per array)."""
+    return any(map(is_cupy_type, set(map(type, arrays))))
+
+
+async def _to_host(arrays: Sequence[Any]) -> list:
+    """``arrays`` with each CuPy array among them replaced by a host copy, for work done
+    on a CPU device: NumPy refuses a CuPy array (TypeError: implicit conversion), and
+    ``get()`` would wait for the GPU on the event loop. The copies are made in stream
+    order on each GPU's current stream, while the loop keeps running."""
+    on_gpu = [i for i, array in enumerate(arrays) if is_cupy_array(array)]
+    backend = backend_for(Device("GPU", int(arrays[on_gpu[0]].device.id)))
+    copies = await backend.to_host_async([arrays[i] for i in on_gpu])
+    out = list(arrays)
+    for i, copy in zip(on_gpu, copies, strict=True):
+        out[i] = copy
+    return out
 
 
 def _components(value: Any, where: str) -> list:

@@ -224,6 +224,40 @@ async def test_reduce_and_gather_come_back_as_host_arrays():
     np.testing.assert_array_equal(gathered, [0, 1, 2, 0, 2, 4])
 
 
+async def test_gpu_values_reduced_broadcast_and_gathered_to_a_host_destination():
+    """reduce_to / batch_reduce_to / broadcast_to and the ops' gather with a host
+    destination ("cpu:0") copy the GPU values to the host first: they were combined
+    there as they were, and NumPy refuses a CuPy array (TypeError: implicit
+    conversion to a NumPy array is not allowed)."""
+    strategies = [
+        _shared(2),
+        aiodist.MirroredStrategy(_nccl_devices()),  # NcclAllReduce with several GPUs
+        aiodist.MirroredStrategy(["GPU:0"] * 2, aiodist.ReductionToOneDevice("GPU:0")),
+    ]
+    for strategy in strategies:
+        n = strategy.num_replicas_in_sync
+
+        async def fn():
+            rid = aiodist.get_replica_context().replica_id_in_sync_group
+            return cupy.arange(3, dtype=cupy.float64) * (rid + 1)
+
+        values = await strategy.run(fn)
+        ops = aiodist.ReductionToOneDevice()
+        with strategy.scope():
+            reduced = await strategy.extended.reduce_to("sum", values, "cpu:0")
+            (mean,) = await strategy.extended.batch_reduce_to("mean", [(values, "cpu:0")])
+            copied = await strategy.extended.broadcast_to(cupy.arange(2.0), "cpu:0")
+            gathered = await ops.gather(values, "cpu:0", axis=0)
+        for result in (reduced, mean, copied, gathered):
+            assert type(result) is np.ndarray, (strategy, type(result))
+        total = n * (n + 1) / 2
+        np.testing.assert_array_equal(reduced, [0.0, total, 2 * total])
+        np.testing.assert_array_equal(mean, [0.0, total / n, 2 * total / n])
+        np.testing.assert_array_equal(copied, [0.0, 1.0])
+        want = np.concatenate([np.arange(3.0) * (i + 1) for i in range(n)])
+        np.testing.assert_array_equal(gathered, want)
+
+
 async def test_a_batcher_hands_gpu_replicas_their_rows_on_the_gpu():
     from aiodist.serving import Batcher
 
