@@ -691,9 +691,20 @@ def _gathered(stacked: Any, lengths: Sequence[int], axis: int, shape: Sequence[i
     return cupy.concatenate(parts, axis=axis)
 
 
-def broadcast(array: Any, devices: Sequence[Device], backend: GpuBackend) -> list:
+# The most bytes one ``bcast`` call is given. CuPy releases before cupy/cupy#8562
+# (August 2024; 13.0 among them, which the cuda12 extra allows) declare its count a C
+# ``int`` (``bcast(self, intptr_t buff, int count, ...)``), so a buffer over 2 GiB
+# raised OverflowError there; later ones take a ``size_t``. Larger buffers are sent
+# in parts of this size (a power of two, so every part starts aligned).
+_BCAST_MAX_BYTES = 1 << 30
+
+
+def broadcast(
+    array: Any, devices: Sequence[Device], backend: GpuBackend, part_bytes: int = _BCAST_MAX_BYTES
+) -> list:
     """``array`` (on ``devices[0]``) copied to every device of ``devices`` with one
-    NCCL broadcast, each rank on its device's current stream."""
+    NCCL group of broadcasts (one per ``part_bytes`` bytes), each rank on its
+    device's current stream."""
     nccl = _nccl()
     comms = communicators(tuple(d.index for d in devices))
     with cupy.cuda.Device(devices[0].index):  # rank 0's buffer on rank 0's device
@@ -703,11 +714,14 @@ def broadcast(array: Any, devices: Sequence[Device], backend: GpuBackend) -> lis
             buffers.append(cupy.empty(array.shape, array.dtype))
     if buffers[0].nbytes == 0:  # NCCL rejects null buffers; nothing to send
         return buffers
+    nbytes = buffers[0].nbytes
     nccl.groupStart()
     try:
         for rank, (comm, buffer) in enumerate(zip(comms, buffers, strict=True)):
             stream = cupy.cuda.get_current_stream(devices[rank].index)
-            comm.bcast(buffer.data.ptr, buffer.nbytes, nccl.NCCL_UINT8, 0, stream.ptr)
+            for lo in range(0, nbytes, part_bytes):
+                count = min(part_bytes, nbytes - lo)
+                comm.bcast(buffer.data.ptr + lo, count, nccl.NCCL_UINT8, 0, stream.ptr)
     finally:
         nccl.groupEnd()
     return buffers

@@ -53,9 +53,14 @@ def test_nccl_apis_exist():
     assert "intptr_t recvbuf, size_t count, int datatype, intptr_t stream)" in (
         communicator.allGather.__doc__
     )
-    assert "(self, intptr_t buff, size_t count, int datatype, int root, intptr_t stream)" in (
-        communicator.bcast.__doc__
+    # bcast's count is a size_t since cupy/cupy#8562 (August 2024), a C int before (CuPy
+    # 13.0 among them): broadcast() gives each call at most _BCAST_MAX_BYTES, under 2 GiB.
+    assert any(
+        f"(self, intptr_t buff, {count} count, int datatype, int root, intptr_t stream)"
+        in communicator.bcast.__doc__
+        for count in ("size_t", "int")
     )
+    assert cuda._BCAST_MAX_BYTES <= 2**31 - 1
     assert callable(nccl.groupStart) and callable(nccl.groupEnd)
     assert cuda.nccl_version() == nccl.get_version()
     # The multi-worker communicator: a unique id of 128 bytes (what worker 0 sends

@@ -725,6 +725,27 @@ def test_a_rank_made_from_a_unique_id():
     assert (comm.size(), comm.rank_id(), comm.device_id()) == (1, 0, 0)
 
 
+def test_a_broadcast_goes_in_parts_of_at_most_part_bytes():
+    """NCCL broadcast sends a buffer in parts (1 GiB each by default): CuPy before
+    cupy/cupy#8562 declares bcast's count a C int, and refused a buffer over 2 GiB
+    with OverflowError. Small parts of an odd size here, so every part boundary
+    (and a short last part) is crossed."""
+    from aiodist import _cuda
+    from aiodist._backends import backend_for
+    from aiodist._devices import Device
+
+    if _cuda.nccl_version() is None:
+        pytest.skip("NCCL's library is not installed")
+    devices = [Device("GPU", i) for i in range(visible_gpu_count())]
+    with cupy.cuda.Device(0):
+        array = (cupy.arange(10_001) % 251).astype(cupy.uint8)
+    copies = _cuda.broadcast(array, devices, backend_for(devices[0]), part_bytes=999)
+    for device, copy in zip(devices, copies, strict=True):
+        assert copy.device.id == device.index
+        with cupy.cuda.Device(device.index):
+            np.testing.assert_array_equal(copy.get(), np.arange(10_001) % 251)
+
+
 # -- no hangs ------------------------------------------------------------------------------
 
 
