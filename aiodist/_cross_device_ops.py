@@ -462,10 +462,10 @@ class CrossDeviceOps:
         for array in arrays:
             check_reducible(op, array, "reduce")
         if self._gather_device(devices).kind == "CPU" and _any_on_gpu(arrays):
-            arrays = await _to_host(arrays)  # combined on the host
+            arrays = await host_copies(arrays)  # combined on the host
         reduced = self._reduce_arrays(op, arrays, devices[0])
         if devices[0].kind == "CPU" and is_cupy_array(reduced):  # (reduce_to_device a GPU)
-            (reduced,) = await _to_host([reduced])
+            (reduced,) = await host_copies([reduced])
         return self._deliver(reduced, devices)
 
     async def batch_reduce(
@@ -506,7 +506,7 @@ class CrossDeviceOps:
             )
         copy = True  # the caller's array: its memory is never handed out
         if devices[0].kind == "CPU" and is_cupy_array(tensor):
-            (tensor,) = await _to_host([tensor])
+            (tensor,) = await host_copies([tensor])
             copy = False  # a host copy of its own already
         # _deliver places it, and copies only what it got back as the caller's own.
         try:
@@ -530,7 +530,7 @@ class CrossDeviceOps:
         arrays = _components(per_replica_value, "gather")
         _check_gatherable(arrays, axis, "gather")
         if devices[0].kind == "CPU" and _any_on_gpu(arrays):
-            arrays = await _to_host(arrays)  # concatenated on the host
+            arrays = await host_copies(arrays)  # concatenated on the host
         backend = backend_for(devices[0])
         parts = [backend.asarray(array, devices[0]) for array in arrays]
         with backend.on_device(devices[0]):
@@ -814,7 +814,7 @@ def _any_on_gpu(arrays: Sequence[Any]) -> bool:
     return any(map(is_cupy_type, set(map(type, arrays))))
 
 
-async def _to_host(arrays: Sequence[Any]) -> list:
+async def host_copies(arrays: Sequence[Any]) -> list:
     """``arrays`` with each CuPy array among them replaced by a host copy, for work done
     on a CPU device: NumPy refuses a CuPy array (TypeError: implicit conversion), and
     ``get()`` would wait for the GPU on the event loop. The copies are made in stream

@@ -33,6 +33,7 @@ from ._cross_device_ops import (
     NcclAllReduce,
     ReductionToOneDevice,
     check_alike,
+    host_copies,
     scalar_totaller_for,
 )
 from ._devices import HOST as _HOST
@@ -693,12 +694,8 @@ class Strategy:
         # Tests per type of part (usually one type), not per part.
         kinds = set(map(type, parts))
         if any(map(is_cupy_type, kinds)):
-            on_gpu = [i for i, p in enumerate(parts) if is_cupy_array(p)]
-            backend = backend_for(Device("GPU", parts[on_gpu[0]].device.id))
             with self._cross_replica_order():
-                copies = await backend.to_host_async([parts[i] for i in on_gpu])
-            for i, copy in zip(on_gpu, copies, strict=True):
-                parts[i] = copy
+                parts = await host_copies(parts)
         elif kinds <= _HOST_KINDS:
             # NumPy arrays and scalars, as they are: scalars have a shape and a
             # dtype, and the host reductions return arrays.
