@@ -76,6 +76,22 @@ def test_aiodist_run_uses_uvloop_when_installed():
     assert aiodist.run(which()) is uvloop.Loop
 
 
+async def test_aiodist_run_inside_a_running_loop_says_to_await():
+    # In async code (or a notebook, which runs a loop) aiodist.run raised "Cannot run
+    # the event loop while another loop is running", from closing the loop it had just
+    # made, over asyncio's own reason, and left a `shutdown_asyncgens` coroutine never
+    # awaited.
+    async def main():
+        return 1
+
+    coroutine = main()
+    with pytest.raises(aiodist.ContextError, match=r"`await main\(\)` in place of") as caught:
+        aiodist.run(coroutine)
+    assert caught.value.__context__ is None
+    assert coroutine.cr_frame is None  # closed: no "never awaited" warning either
+    assert await main() == 1  # the running loop is untouched
+
+
 def test_demo_trains_to_the_true_weights():
     done = run_demo("--steps", "60", "--devices", "cpu:0,cpu:1,cpu:2", timeout=120)
     assert done.returncode == 0, done.stderr
