@@ -6,7 +6,9 @@ They work on any array type with NumPy's attributes (``dtype``, ``shape``,
 
 from __future__ import annotations
 
+import asyncio
 import operator
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +17,7 @@ from ._errors import InvalidArgumentError
 from ._ops import ReduceOp
 
 __all__ = [
+    "UNAWAITED",
     "as_axis",
     "check_reducible",
     "first_difference",
@@ -24,12 +27,33 @@ __all__ = [
     "mean_of_sum",
     "mean_operand",
     "structure_text",
+    "unawaited",
 ]
 
 # dtype kinds that can be reduced: signed/unsigned ints, floats, complex; bool for MIN/MAX.
 _NUMERIC_KINDS = frozenset("iufc")
 
 _UNKNOWN = object()  # check_reducible's structure when the caller has none (None is one)
+
+# What an async call gives before it is awaited: a coroutine (``strategy.run(fn)``
+# without ``await``, TF's spelling) or a future (a collective's). Passed on as a
+# value it became a 0-d object array, refused as a dtype ("convert it with
+# x.astype") or a rank ("x[None]"), or as a value that is not distributed.
+UNAWAITED = (types.CoroutineType, asyncio.Future)
+
+
+def unawaited(value: Any, where: str) -> str:
+    """The message for ``value`` (one of ``UNAWAITED``), given ``where`` its result belongs."""
+    if isinstance(value, types.CoroutineType):
+        what = f"a coroutine ({value.__qualname__}) that was never awaited"
+        example = "`losses = await strategy.run(step)`, then pass `losses`"
+    else:
+        what = f"{_a(value)} (a call's result to come, such as a collective's)"
+        example = "`total = await ctx.all_reduce(...)`, then pass `total`"
+    return (
+        f"{where}: the value is {what}, not its result. Probably an `await` is "
+        f"missing: await the call first, e.g. {example}."
+    )
 
 
 def leaf_text(array: Any) -> str:
@@ -176,9 +200,14 @@ def check_reducible(
     if kind in _NUMERIC_KINDS or (kind == "b" and op in (ReduceOp.MIN, ReduceOp.MAX)):
         return
     at = ""
+    path, leaf = "", array[()] if kind == "O" and array.ndim == 0 else None
     if structure is not _UNKNOWN:
         path, leaf = leaf_path(structure, index)
         at = f" (the leaf at {path}: {_a(leaf)})" if path else f" ({_a(leaf)})"
+    if isinstance(leaf, UNAWAITED):
+        raise InvalidArgumentError(
+            unawaited(leaf, f"{where} (the leaf at {path})" if path else where)
+        )
     raise InvalidArgumentError(
         f"{where}: cannot reduce values of dtype {array.dtype} with {op.name}{at}; expected "
         "numeric arrays or scalars (integers, floats, complex; bool only with MIN/MAX). "
@@ -219,6 +248,8 @@ def gather_axis(array: Any, axis: int, where: str) -> int:
     along) and out-of-range axes.
     """
     if array.ndim == 0:
+        if array.dtype.kind == "O" and isinstance(array[()], UNAWAITED):
+            raise InvalidArgumentError(unawaited(array[()], where))
         raise InvalidArgumentError(
             f"{where}: a rank-0 value ({leaf_text(array)}) has no axis to concatenate "
             "along; give it one first, e.g. x[None] with axis=0."

@@ -29,6 +29,7 @@ from operator import attrgetter
 from typing import Any
 
 from . import _nest
+from ._arrays import UNAWAITED, unawaited
 from ._devices import Device, parse_device
 from ._errors import InvalidArgumentError
 
@@ -239,8 +240,11 @@ def refuse_structure(value: object, where: str) -> None:
     """Raise ``InvalidArgumentError`` when ``value`` is a dict, or a list or tuple
     holding distributed values: ``where`` (a key of ``_ONE_AT_A_TIME``, or
     "batch_reduce_to") takes one value, as TF's do, and would otherwise see such a
-    structure as one object array."""
+    structure as one object array. A coroutine or future (an ``await`` missing) is
+    refused too, by what it is, before it is taken for a value."""
     if not isinstance(value, _NESTED):
+        if isinstance(value, UNAWAITED):
+            raise InvalidArgumentError(unawaited(value, where))
         return
     distributed = any(
         # a variable (``_aiodist_local_results``) is distributed too

@@ -782,6 +782,31 @@ async def test_all_gather_rejects_rank0_and_bad_axis(two):
         await two.run(bool_axis)
 
 
+async def test_a_collectives_future_passed_on_unawaited_is_refused_saying_so(two):
+    # A collective's future given to the next one was a 0-d object array: "cannot
+    # reduce values of dtype object ... convert it with x.astype(np.int32)" (or
+    # "rank-0 value ... x[None]" for all_gather), which hides the missing await.
+    async def all_reduce_of_a_future():
+        ctx = aiodist.get_replica_context()
+        return await ctx.all_reduce("sum", {"g": [1.0, ctx.all_reduce("sum", 1.0)]})
+
+    async def all_gather_of_a_future():
+        ctx = aiodist.get_replica_context()
+        return await ctx.all_gather(ctx.all_reduce("sum", 1.0), axis=0)
+
+    for fn, where in [
+        (all_reduce_of_a_future, r"all_reduce on replica \d \(the leaf at \['g'\]\[1\]\)"),
+        (all_gather_of_a_future, r"all_gather on replica \d"),
+    ]:
+        with pytest.raises(aiodist.InvalidArgumentError) as caught:
+            await two.run(fn)
+        assert re.match(
+            rf"{where}: the value is a Future \(.*\), not its result\. Probably an `await` "
+            r"is missing: .*`total = await ctx\.all_reduce\(\.\.\.\)`",
+            str(caught.value),
+        ), caught.value
+
+
 # -- merge_call --------------------------------------------------------------------------
 
 

@@ -242,6 +242,32 @@ async def test_structures_of_distributed_values_are_refused_with_the_way_out(two
             await call
 
 
+async def test_a_run_not_awaited_is_refused_saying_await_is_missing(two):
+    # TF's habit, `losses = strategy.run(step)`, passed the coroutine on as a value:
+    # SUM called it "not distributed" (use MEAN), MEAN "dtype object" (x.astype),
+    # gather "a rank-0 value" (x[None]), none of which helps.
+    async def step():
+        return np.float64(aiodist.get_replica_context().replica_id_in_sync_group)
+
+    losses = two.run(step)
+    for call, where in [
+        (lambda: two.reduce("sum", losses, axis=None), r"strategy\.reduce"),
+        (lambda: two.reduce("mean", losses, axis=0), r"strategy\.reduce"),
+        (lambda: two.gather(losses, axis=0), r"strategy\.gather"),
+        (lambda: two.extended.reduce_to("mean", losses, "cpu:0"), "reduce_to"),
+        (lambda: two.extended.batch_reduce_to("sum", [(losses, "cpu:0")]), "batch_reduce_to"),
+        (lambda: two.extended.broadcast_to(losses, "cpu:0"), "broadcast"),
+    ]:
+        with pytest.raises(aiodist.InvalidArgumentError) as caught:
+            await call()
+        assert re.match(
+            rf"{where}: the value is a coroutine \(Strategy\.run\) that was never awaited, "
+            r"not its result\. Probably an `await` is missing: .*`losses = await strategy\.run",
+            str(caught.value),
+        ), caught.value
+    assert float(await two.reduce("sum", await losses, axis=None)) == 1.0
+
+
 @pytest.mark.parametrize("op", ["sum", "mean", "max"])
 async def test_reduce_with_axis_checks_what_it_reduces(two, op):
     async def reduce(*parts, axis=0):
