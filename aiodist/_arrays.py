@@ -199,11 +199,11 @@ def check_reducible(
     kind = array.dtype.kind
     if kind in _NUMERIC_KINDS or (kind == "b" and op in (ReduceOp.MIN, ReduceOp.MAX)):
         return
-    at = ""
-    path, leaf = "", array[()] if kind == "O" and array.ndim == 0 else None
     if structure is not _UNKNOWN:
         path, leaf = leaf_path(structure, index)
         at = f" (the leaf at {path}: {_a(leaf)})" if path else f" ({_a(leaf)})"
+    else:  # (a 0-d object array holds the value itself: a coroutine, say)
+        path, leaf, at = "", (array[()] if kind == "O" and array.ndim == 0 else None), ""
     if isinstance(leaf, UNAWAITED):
         raise InvalidArgumentError(
             unawaited(leaf, f"{where} (the leaf at {path})" if path else where)
