@@ -13,6 +13,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,15 +49,52 @@ def _serve_module():
     return module
 
 
-async def _load(port: int, total: int, concurrency: int) -> dict:
+async def _load(port: int, total: int, concurrency: int, limit: float = 600.0) -> dict:
+    """Run the load client against ``port``; past ``limit`` seconds (a server that
+    stopped answering), kill it and raise ``RuntimeError`` rather than wait on."""
     script = CLIENT.format(root=str(ROOT), port=port, total=total, concurrency=concurrency)
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-c", script, stdout=asyncio.subprocess.PIPE
     )
-    out, _ = await process.communicate()
+    try:
+        async with asyncio.timeout(limit):
+            out, _ = await process.communicate()
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        raise RuntimeError(
+            f"the load client ({total} requests at concurrency {concurrency}) had no "
+            f"answers after {limit:g} s; the server stopped answering"
+        ) from None
     if process.returncode != 0:
-        raise RuntimeError("the load client failed")
+        raise RuntimeError(f"the load client failed (exit status {process.returncode})")
     return json.loads(out)
+
+
+async def _serve(server: Any) -> None:
+    try:
+        await server.serve()
+    except SystemExit as exc:
+        # Recent uvicorn ends a failed startup with sys.exit(3): in a task, asyncio
+        # lets that out of the loop, ending the whole benchmark run (every figure
+        # lost) where a failed serving benchmark should be reported.
+        raise RuntimeError(
+            f"the example server did not start (uvicorn exited with status {exc.code}; "
+            "see its log above)"
+        ) from None
+
+
+async def _serving(server: Any) -> tuple[asyncio.Task, int]:
+    """Start uvicorn's ``server`` on this loop; its task and port once it serves.
+    ``RuntimeError`` if it ends without serving (older uvicorn returns quietly when
+    the app's startup fails: waiting for ``started`` alone would wait for ever)."""
+    task = asyncio.create_task(_serve(server))
+    while not server.started:
+        if task.done():
+            task.result()  # (its own error, if it raised one)
+            raise RuntimeError("the example server did not start (see uvicorn's log above)")
+        await asyncio.sleep(0.01)
+    return task, server.servers[0].sockets[0].getsockname()[1]
 
 
 async def measure(devices: list[str], levels: list[int], total: int) -> list[dict]:
@@ -71,12 +109,7 @@ async def measure(devices: list[str], levels: list[int], total: int) -> list[dic
         )
         config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on", log_level="error")
         server = uvicorn.Server(config)
-        task = asyncio.create_task(server.serve())
-        while not server.started:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.01)
-        port = server.servers[0].sockets[0].getsockname()[1]
+        task, port = await _serving(server)
         try:
             for concurrency in levels:
                 before = app.state.batcher.stats()  # the batcher serves every level

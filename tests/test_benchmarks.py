@@ -4,6 +4,7 @@ workloads measure real runs (the figures themselves are not asserted here)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import sys
@@ -309,3 +310,50 @@ def test_instruction_counting_refuses_bad_replica_counts(capsys):
         instructions.main(["--replicas", "0"])
     assert exited.value.code == 2
     assert "argument --replicas: '0'; expected distinct comma-separated" in capsys.readouterr().err
+
+
+async def test_a_serving_load_against_a_server_that_never_answers_is_stopped_and_reported():
+    # A server that accepts and then says nothing: the load client waited on it for
+    # ever, and so did the whole benchmark run.
+    from benchmarks import serving
+
+    held = []
+
+    async def accept(reader, writer):
+        held.append(writer)  # never answered, never closed until the end
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        started = time.perf_counter()
+        with pytest.raises(RuntimeError, match=r"had no answers after 1 s"):
+            await serving._load(port, total=2, concurrency=2, limit=1.0)
+        assert time.perf_counter() - started < 20
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_serving_benchmark_whose_server_fails_to_start_says_so():
+    # uvicorn 0.54 ends a failed startup with sys.exit(3), which asyncio let out of
+    # the loop, ending the whole benchmark run; older ones return quietly, and
+    # waiting for `started` alone polled for ever.
+    pytest.importorskip("uvicorn")
+    import uvicorn
+    from starlette.applications import Starlette
+
+    from benchmarks import serving
+
+    @contextlib.asynccontextmanager
+    async def failing(app):
+        raise ValueError("no model")
+        yield
+
+    config = uvicorn.Config(
+        Starlette(lifespan=failing), host="127.0.0.1", port=0, lifespan="on", log_level="critical"
+    )
+    with pytest.raises(RuntimeError, match="the example server did not start"):
+        async with asyncio.timeout(30):
+            await serving._serving(uvicorn.Server(config))
