@@ -56,6 +56,12 @@ def unawaited(value: Any, where: str) -> str:
     )
 
 
+def _held(array: Any) -> object:
+    """The object a 0-d object array holds (a value NumPy took whole, such as a
+    coroutine passed where its result belongs), else None."""
+    return array[()] if array.dtype.kind == "O" and array.ndim == 0 else None
+
+
 def leaf_text(array: Any) -> str:
     """``float32[2, 3]`` for a 2-by-3 float32 array, ``float64[]`` for a scalar."""
     return f"{array.dtype}[{', '.join(str(n) for n in array.shape)}]"
@@ -202,8 +208,8 @@ def check_reducible(
     if structure is not _UNKNOWN:
         path, leaf = leaf_path(structure, index)
         at = f" (the leaf at {path}: {_a(leaf)})" if path else f" ({_a(leaf)})"
-    else:  # (a 0-d object array holds the value itself: a coroutine, say)
-        path, leaf, at = "", (array[()] if kind == "O" and array.ndim == 0 else None), ""
+    else:
+        path, leaf, at = "", _held(array), ""
     if isinstance(leaf, UNAWAITED):
         raise InvalidArgumentError(
             unawaited(leaf, f"{where} (the leaf at {path})" if path else where)
@@ -248,8 +254,8 @@ def gather_axis(array: Any, axis: int, where: str) -> int:
     along) and out-of-range axes.
     """
     if array.ndim == 0:
-        if array.dtype.kind == "O" and isinstance(array[()], UNAWAITED):
-            raise InvalidArgumentError(unawaited(array[()], where))
+        if isinstance(held := _held(array), UNAWAITED):
+            raise InvalidArgumentError(unawaited(held, where))
         raise InvalidArgumentError(
             f"{where}: a rank-0 value ({leaf_text(array)}) has no axis to concatenate "
             "along; give it one first, e.g. x[None] with axis=0."

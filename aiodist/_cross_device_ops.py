@@ -848,6 +848,11 @@ def _components(value: Any, where: str) -> list:
     return arrays
 
 
+def _per_replica_text(arrays: Sequence[Any]) -> str:
+    """``replica 0: float32[2]; replica 1: int32[2]``, for a message."""
+    return "; ".join(f"replica {i}: {leaf_text(a)}" for i, a in enumerate(arrays))
+
+
 def check_alike(arrays: Sequence[Any], where: str, axes: tuple[int, ...] = ()) -> None:
     """Raise ``InvalidArgumentError`` unless ``arrays`` share one dtype and one shape
     (``axes``, non-negative: shapes may differ along these, which are reduced)."""
@@ -856,7 +861,7 @@ def check_alike(arrays: Sequence[Any], where: str, axes: tuple[int, ...] = ()) -
     else:  # one C-level pass, no Python step per array
         shapes = set(map(_SHAPE, arrays))
     if len(shapes) > 1 or len(set(map(_DTYPE, arrays))) > 1:
-        seen = "; ".join(f"replica {i}: {leaf_text(a)}" for i, a in enumerate(arrays))
+        seen = _per_replica_text(arrays)
         hint = (
             f"shapes may differ only along the reduced axes {axes}"
             if axes
@@ -879,13 +884,13 @@ def _check_gatherable(arrays: Sequence[Any], axis: int, where: str) -> None:
 
     # Dtypes apart: values of one shape and two dtypes were said to differ in shape.
     if any(a.dtype != first.dtype for a in arrays):
-        seen = "; ".join(f"replica {i}: {leaf_text(a)}" for i, a in enumerate(arrays))
+        seen = _per_replica_text(arrays)
         raise InvalidArgumentError(
             f"{where}: per-replica values differ in dtype ({seen}); every replica must "
             "hold the same dtype: cast them first, e.g. x.astype(np.float32)."
         )
     if any(others(a) != others(first) for a in arrays):
-        seen = "; ".join(f"replica {i}: {leaf_text(a)}" for i, a in enumerate(arrays))
+        seen = _per_replica_text(arrays)
         raise InvalidArgumentError(
             f"{where}: shapes may differ only along axis {axis}, but got {seen}."
         )
