@@ -19,8 +19,11 @@ __all__ = ["HOST", "Device", "canonical_device", "parse_device"]
 
 _DEVICE_RE = re.compile(
     r"""^
-    (?:/job:localhost(?:/replica:0)?(?:/task:0)?)?   # optional local-job prefix
-    (?:/?device:|/)?                                # '/device:', 'device:' or '/'
+    (?:
+      (?:/job:localhost(?:/replica:0)?(?:/task:0)?)?  # optional local-job prefix,
+      /(?:device:)?                                 # then '/device:' or '/'
+    | device:                                       # or 'device:' alone
+    )?
     (?P<kind>cpu|gpu):(?P<index>[0-9]+)           # ASCII digits only
     $""",
     re.IGNORECASE | re.VERBOSE,

@@ -47,6 +47,11 @@ def test_canonical_device_names(spec, canonical):
         "/job:worker/task:1/device:CPU:0",
         "cpu:0:1",
         "cpu:\u0661",
+        # The local-job prefix and the device must be joined by '/': these were
+        # taken as CPU:0, CPU:1 and GPU:0.
+        "/job:localhostcpu:0",
+        "/job:localhost/replica:0device:CPU:1",
+        "/job:localhost/task:0gpu:0",
     ],
 )
 def test_bad_device_strings_name_the_string_and_the_forms(bad):
