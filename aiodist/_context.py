@@ -56,6 +56,7 @@ __all__ = [
     "register_default_strategy",
     "require_cross_replica",
     "scope_of",
+    "twin_note",
 ]
 
 
@@ -182,8 +183,21 @@ def experimental_set_strategy(strategy: Strategy | None) -> None:
 def _mixing(current: Strategy, other: Strategy) -> ContextError:
     return ContextError(
         f"Mixing different aiodist strategies: {other!r} was used while {current!r} is "
-        "current. Use one strategy per scope: leave the other strategy's "
-        "`with ...scope():` block (or its run) first."
+        f"current.{twin_note(current, other)} Use one strategy per scope: leave the other "
+        "strategy's `with ...scope():` block (or its run) first."
+    )
+
+
+def twin_note(one: Strategy, other: Strategy) -> str:
+    """For a "Mixing different aiodist strategies" message: where the two strategies'
+    reprs are alike (two objects on the same devices, a strategy made twice), a
+    sentence saying they are two objects; else nothing. Without it the message named
+    the same text twice, "X was used while X is current"."""
+    if repr(one) != repr(other):
+        return ""
+    return (
+        f" These are two {type(other).__name__} objects on the same devices (was the "
+        "strategy made twice? Make it once and share that object)."
     )
 
 

@@ -294,8 +294,9 @@ class StrategyExtended:
             # TF's rule, as for the variable's own writes: one strategy at a time.
             raise ContextError(
                 f"Mixing different aiodist strategies: update() of {owner!r}'s variable "
-                f"{var.name!r} was called on {mine!r}; update a variable through the "
-                "strategy whose scope made it (its extended.update)."
+                f"{var.name!r} was called on {mine!r}.{_context.twin_note(owner, mine)} "
+                "Update a variable through the strategy whose scope made it (its "
+                "extended.update)."
             )
         return await _variables.update(var, fn, args, kwargs, group)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import inspect
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -229,6 +230,32 @@ def test_mixing_strategies_raises(two, three):
         assert aiodist.get_strategy() is two
     with default.scope():  # on its own it is fine
         assert not aiodist.has_strategy()
+
+
+async def test_mixing_two_strategies_on_the_same_devices_says_they_are_two_objects():
+    """A strategy made twice (in a helper, a fixture) has the same repr as the first:
+    "Mixing" named one text twice, "X was used while X is current"."""
+    first, second = (aiodist.MirroredStrategy(["cpu:0", "cpu:1"]) for _ in range(2))
+    with first.scope():
+        v = aiodist.Variable(0.0, aggregation="sum")
+    twice = r"These are two MirroredStrategy objects on the same devices \(was the strategy made"
+    with second.scope():
+        for attempt in (
+            lambda: first.scope().__enter__(),
+            lambda: first.run(lambda: None),
+            lambda: first.reduce("mean", 1.0),
+            lambda: v.assign(1.0),
+        ):
+            with pytest.raises(aiodist.ContextError, match=r"Mixing different .*" + twice):
+                result = attempt()
+                if inspect.isawaitable(result):
+                    await result
+    with pytest.raises(aiodist.ContextError, match=r"variable 'Variable' .*" + twice):
+        await second.extended.update(v, lambda copy: copy.assign(1.0))
+    # Strategies that differ show it, with no such sentence.
+    with first.scope(), pytest.raises(aiodist.ContextError) as info:
+        await aiodist.OneDeviceStrategy("cpu:0").run(lambda: None)
+    assert "two MirroredStrategy objects" not in str(info.value)
 
 
 async def test_inside_run_replica_context_is_current(two):
