@@ -218,7 +218,10 @@ _NESTED = (list, tuple, dict)
 
 def _describe(value: object) -> str:
     if isinstance(value, dict):
-        return f"dict with keys {sorted(map(repr, value))}"
+        # The keys' reprs joined (a list of them read ["'acc'", "'loss'"]), sorted so
+        # two replicas' dicts built in different orders read alike.
+        keys = ", ".join(sorted(map(repr, value)))
+        return f"dict with keys {keys}" if value else "dict with no keys"
     if _nest._is_namedtuple(value):  # its fields: two classes may share a name
         return f"{type(value).__name__}({', '.join(map(str, type(value)._fields))})"
     if isinstance(value, list | tuple):

@@ -208,6 +208,19 @@ async def test_mismatched_result_structures_raise_naming_replicas(two):
         await two.run(fn)
 
 
+async def test_mismatched_result_dicts_name_each_replicas_keys(two):
+    # The keys as a list of their reprs read: dict with keys ["'acc'", "'loss'"].
+    async def fn():
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        return {"loss": 1.0, "acc": 2.0} if rid == 0 else {}
+
+    with pytest.raises(
+        aiodist.InvalidArgumentError,
+        match=r"\(replica 0: dict with keys 'acc', 'loss'; replica 1: dict with no keys\)",
+    ):
+        await two.run(fn)
+
+
 async def test_namedtuple_classes_made_per_replica_regroup_as_in_tf(two):
     """A namedtuple class made inside the replica function is one class per replica:
     regrouping its results (or merge_call args) refused them as different structures
