@@ -130,6 +130,60 @@ async def test_reduce_with_axis_on_matrices(two):
     assert float(await two.reduce("mean", value, axis=(0, 1))) == pytest.approx(30 / 18)
 
 
+@pytest.mark.parametrize("kind", ["one_device", "default"])
+async def test_every_cross_replica_call_on_a_one_replica_strategy(kind):
+    """SPEC 1, 3, 5: OneDeviceStrategy and the default strategy (get_strategy() outside
+    any scope) serve the whole API as one replica: run and the values it makes are
+    plain, reductions give the value itself (MEAN with axis over its own elements),
+    and variables made in the scope are updated in replica context."""
+    strategy = aiodist.OneDeviceStrategy("/cpu:3") if kind == "one_device" else None
+    strategy = strategy or aiodist.get_strategy()
+    device = "/device:CPU:3" if kind == "one_device" else "/device:CPU:0"
+    batch = np.arange(6.0).reshape(3, 2)
+
+    async def step(x, scale=1.0):
+        ctx = aiodist.get_replica_context()
+        total = await ctx.all_reduce("sum", x)
+        return total * scale, ctx.replica_id_in_sync_group, ctx.devices
+
+    result, replica_id, devices = await strategy.run(step, args=(batch,), kwargs={"scale": 2.0})
+    np.testing.assert_array_equal(result, 2 * batch)
+    assert (replica_id, devices) == (0, (device,))
+    again = await strategy.extended.call_for_each_replica(step, args=(batch,))
+    np.testing.assert_array_equal(again[0], batch)
+    np.testing.assert_array_equal(await strategy.reduce("sum", batch, axis=0), [6.0, 9.0])
+    np.testing.assert_array_equal(await strategy.reduce("mean", batch, axis=0), [2.0, 3.0])
+    assert float(await strategy.reduce("mean", batch, axis=(0, 1))) == 2.5
+    np.testing.assert_array_equal(await strategy.reduce("max", batch, axis=None), batch)
+    np.testing.assert_array_equal(await strategy.gather(batch, axis=1), batch)
+    assert strategy.experimental_local_results(batch) == (batch,)
+    value = strategy.experimental_distribute_values_from_function(
+        lambda ctx: (ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync)
+    )
+    assert value == (0, 1)  # one replica: the value itself
+    extended = strategy.extended
+    for destinations in (device, batch, "cpu:0"):
+        np.testing.assert_array_equal(await extended.reduce_to("sum", batch, destinations), batch)
+    pairs = [(batch, device), (batch[0], batch)]
+    reduced = await extended.batch_reduce_to("mean", pairs)
+    np.testing.assert_array_equal(reduced[0], batch)
+    np.testing.assert_array_equal(reduced[1], batch[0])
+    np.testing.assert_array_equal(await extended.broadcast_to(batch, device), batch)
+    with strategy.scope():
+        v = aiodist.Variable(np.zeros(2), aggregation="sum")
+    assert v.devices == (device,)
+    updated = await extended.update(v, lambda copy, x: copy.assign_add(x), args=(np.ones(2),))
+    np.testing.assert_array_equal(np.asarray(updated), [1.0, 1.0])
+    np.testing.assert_array_equal(await extended.reduce_to("sum", batch[0], v), batch[0])
+
+    async def add(x):
+        await v.assign_add(x)
+        return v.read_value()
+
+    np.testing.assert_array_equal(await strategy.run(add, args=(np.ones(2),)), [2.0, 2.0])
+    assert strategy.experimental_local_results(v)[0].tolist() == [2.0, 2.0]
+
+
 async def test_reduce_plain_values(two):
     one = aiodist.OneDeviceStrategy("cpu:0")
     assert float(await one.reduce("sum", 4.0, axis=None)) == 4.0
