@@ -71,7 +71,7 @@ import numpy as np
 from . import _nest, _trace
 from ._backends import is_cupy_array
 from ._checks import member, not_callable, options_or_default, refuse_awaitables, whole_number
-from ._errors import InvalidArgumentError
+from ._errors import ContextError, InvalidArgumentError
 from ._values import regroup_wrapping_every_leaf
 
 if TYPE_CHECKING:
@@ -537,7 +537,8 @@ class _Pipeline:
 
 
 class DistributedIterator:
-    """One pass over a distributed dataset (``async for`` or ``for``)."""
+    """One pass over a distributed dataset (``async for`` or ``for``), read one
+    way only: ``anext()`` after ``next()``, or the reverse, raises ``ContextError``."""
 
     def __init__(self, dataset: DistributedDataset):
         self._dataset = dataset
@@ -552,6 +553,8 @@ class DistributedIterator:
     async def __anext__(self) -> Any:
         if self._closed:  # as an async generator after aclose()
             raise StopAsyncIteration
+        if self._sync_source is not None:
+            raise self._mixed("await anext()", "next() (a plain `for`)")
         if self._pipeline is None:
             dataset = self._dataset  # the pipeline must not reference this iterator
             source = dataset._open()
@@ -615,6 +618,16 @@ class DistributedIterator:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(pipeline.abandon)
 
+    def _mixed(self, called: str, read_by: str) -> ContextError:
+        """Reading one iterator both ways: each way opens the source for itself, so
+        the other would start the pass again from the first batch (wrong data)."""
+        return ContextError(
+            f"{self._dataset._where}: {called} on an iterator read so far with "
+            f"{read_by}; one iterator is read one way only, each opening the source "
+            "for itself (the other would start again from the first batch). Keep "
+            "reading it as before, or start a new pass over the dataset."
+        )
+
     # plain iteration, on demand
     def __iter__(self) -> DistributedIterator:
         return self
@@ -622,6 +635,8 @@ class DistributedIterator:
     def __next__(self) -> Any:
         if self._closed:  # after aclose(), as for `async for`
             raise StopIteration
+        if self._pipeline is not None:
+            raise self._mixed("next()", "await anext() (an `async for`)")
         if self._sync_source is None:
             source = self._dataset._open(sync=True)
             if source.is_async:

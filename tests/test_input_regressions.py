@@ -717,3 +717,24 @@ async def test_an_iterator_freed_in_another_thread_stops_its_producer_on_the_loo
         loop.set_debug(debug)
         sys.unraisablehook = hook
     assert [u.exc_value for u in unraisable] == []
+
+
+async def test_an_iterator_read_one_way_refuses_the_other(two):
+    # Each way opened the source for itself: anext() after next() gave the first
+    # batch again, and the plain reads went on from the second.
+    def rows(batch):
+        return [part.tolist() for part in two.experimental_local_results(batch)]
+
+    dataset = two.experimental_distribute_dataset([np.full(2, i) for i in range(4)])
+    plain = iter(dataset)
+    assert rows(next(plain)) == [[0], [0]]
+    with pytest.raises(aiodist.ContextError, match=r"await anext\(\) on an iterator read so far"):
+        await anext(plain)
+    assert rows(next(plain)) == [[1], [1]]  # still read from where it was
+
+    prefetched = aiter(dataset)
+    assert rows(await anext(prefetched)) == [[0], [0]]
+    with pytest.raises(aiodist.ContextError, match=r"next\(\) on an iterator read so far"):
+        next(prefetched)
+    assert rows(await anext(prefetched)) == [[1], [1]]
+    await prefetched.aclose()
