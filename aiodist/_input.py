@@ -69,6 +69,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _nest, _trace
+from ._arrays import leaf_path
 from ._backends import is_cupy_array
 from ._checks import member, not_callable, options_or_default, refuse_awaitables, whole_number
 from ._errors import ContextError, InvalidArgumentError
@@ -210,8 +211,10 @@ def _leaf_arrays(
                 if _in_a_list_of_scalars(element, index)
                 else ""
             )
+            path = leaf_path(element, index)[0]
+            at = f" at {path}" if path else ""
             raise InvalidArgumentError(
-                f"{where}: a rank-0 value ({leaf!r}) has no batch axis{rows}; {needs}."
+                f"{where}: a rank-0 value{at} ({leaf!r}) has no batch axis{rows}; {needs}."
             )
         arrays.append(array)
     return arrays
@@ -265,8 +268,9 @@ def split_batch(
     sizes = [a.shape[0] for a in arrays]
     if len(set(sizes)) > 1:
         raise InvalidArgumentError(
-            f"{where}: the leaves of one element have different "
-            f"batch sizes {sizes}; every leaf's axis 0 must be the same global batch."
+            f"{where}: the leaves of one element have different batch sizes "
+            f"({_batch_sizes_text(element, sizes)}); every leaf's axis 0 must be the "
+            "same global batch."
         )
     base, extra = divmod(sizes[0], num_replicas)
     bounds = [0]
@@ -276,6 +280,16 @@ def split_batch(
         _nest.pack_as(element, [a[bounds[r] : bounds[r + 1]] for a in arrays])
         for r in range(num_replicas)
     ]
+
+
+def _batch_sizes_text(element: object, sizes: list[int], most: int = 4) -> str:
+    """``['x']: 4 rows, but ['y']: 3``: the first leaf's path and size, then those
+    of (at most ``most``) leaves whose size differs from it, so that the leaves to
+    mend are named even in a large structure (the sizes alone named none)."""
+    differ = [index for index, size in enumerate(sizes) if size != sizes[0]]
+    shown = [f"{leaf_path(element, i)[0]}: {sizes[i]}" for i in differ[:most]]
+    more = f" and {len(differ) - most} more" if len(differ) > most else ""
+    return f"{leaf_path(element, 0)[0]}: {sizes[0]} rows, but {', '.join(shown)}{more}"
 
 
 def _empty_like(structure: object) -> object:

@@ -239,15 +239,20 @@ async def test_an_error_raised_again_keeps_one_traceback(two):
     ("element", "message"),
     [
         (np.float32(1.0), r"rank-0 value \(np.float32\(1.0\)\) has no batch axis; every"),
-        ({"a": np.ones(3), "b": np.ones(4)}, r"different batch sizes \[3, 4\]"),
+        # Leaves of different sizes are named, not only their sizes ([3, 4]).
+        ({"a": np.ones(3), "b": np.ones(4)}, r"batch sizes \(\['a'\]: 3 rows, but \['b'\]: 4\)"),
+        (
+            Batch(np.ones((4, 2)), [np.ones(4), np.ones(3)]),
+            r"\(\.x: 4 rows, but \.y\[1\]: 3\); every",
+        ),
         ([], r"holds no arrays"),
         # Rows as Python lists nest, a leaf per number: the message named 1.0 only.
         ([[1.0, 2.0], [3.0, 4.0]], r"\(1.0\) has no batch axis \(a list or tuple is a struc.*"),
-        ((np.ones((2, 2)), 1.0), r"\(1.0\) has no batch axis; every leaf"),  # one bad leaf
+        ((np.ones((2, 2)), 1.0), r"value at \[1\] \(1.0\) has no batch axis; every leaf"),
         # ... in a dict (as JSON gives), beside an array too: the hint was left out.
         ({"x": [1, 2, 3]}, r"\(1\) has no batch axis \(a list or tuple is a structure"),
         ({"x": np.ones(3), "y": [1, 2, 3]}, r"\(1\) has no batch axis \(a list or tuple is a"),
-        ({"w": 0.5, "x": np.ones(2)}, r"\(0.5\) has no batch axis; every leaf"),
+        ({"w": 0.5, "x": np.ones(2)}, r"value at \['w'\] \(0.5\) has no batch axis; every"),
     ],
 )
 async def test_bad_elements(two, element, message):

@@ -337,7 +337,8 @@ async def test_a_bad_batch_is_named_as_assert_same_on_replicas_batch():
 
     with pytest.raises(
         aiodist.InvalidArgumentError,
-        match=r"^assert_same_on_replicas: batch: a rank-0 value \(1.0\) has no batch axis "
+        match=r"^assert_same_on_replicas: batch: a rank-0 value at \[0\]\[0\] \(1.0\) has no "
+        r"batch axis "
         r"\(a list or tuple is a structure here.*np.asarray\)",
     ):
         await assert_same_on_replicas(predict, [[1.0, 2.0], [3.0, 4.0]])
