@@ -71,7 +71,14 @@ import numpy as np
 from . import _nest, _trace
 from ._arrays import leaf_path
 from ._backends import is_cupy_array
-from ._checks import member, not_callable, options_or_default, refuse_awaitables, whole_number
+from ._checks import (
+    member,
+    not_callable,
+    options_or_default,
+    refuse_awaitables,
+    short_repr,
+    whole_number,
+)
 from ._errors import ContextError, InvalidArgumentError
 from ._values import regroup_wrapping_every_leaf
 
@@ -348,7 +355,7 @@ class _Source:
     def __init__(self, iterable: Any, where: str, sync: bool = False):
         _check_iterable(iterable, where)
         if _reads_async(iterable, sync):
-            self._async: AsyncIterator | None = iterable.__aiter__()
+            self._async: AsyncIterator | None = _async_iterator(iterable, where)
             self._sync: Iterator | None = None
         else:
             self._async, self._sync = None, iter(iterable)
@@ -377,6 +384,27 @@ class _Source:
             await closer()
         elif self._sync is not None and hasattr(self._sync, "close"):
             self._sync.close()
+
+
+def _async_iterator(iterable: Any, where: str) -> AsyncIterator:
+    """``iterable.__aiter__()``, refused unless it is an async iterator, as ``async
+    for`` refuses it: an ``async def __aiter__`` gave a coroutine, never awaited
+    (Python warned so), then an AttributeError ('coroutine' object has no attribute
+    '__anext__') at the first read."""
+    iterator = iterable.__aiter__()
+
+    def message() -> str:
+        return (
+            f"{where}: {type(iterable).__name__}.__aiter__() returned "
+            f"{short_repr(iterator)}, which is not an async iterator (no __anext__); "
+            "expected __aiter__ to be a plain method (def, not async def) returning an "
+            "async iterator (often self), as `async for` requires."
+        )
+
+    refuse_awaitables([iterator], message)  # (closed first: no "never awaited")
+    if getattr(type(iterator), "__anext__", None) is None:
+        raise InvalidArgumentError(message())
+    return iterator
 
 
 # -- the pipeline --------------------------------------------------------------------

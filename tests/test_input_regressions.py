@@ -6,6 +6,7 @@ import asyncio
 import gc
 import sys
 import threading
+import warnings
 import weakref
 
 import numpy as np
@@ -738,3 +739,30 @@ async def test_an_iterator_read_one_way_refuses_the_other(two):
         next(prefetched)
     assert rows(await anext(prefetched)) == [[1], [1]]
     await prefetched.aclose()
+
+
+@pytest.mark.parametrize("how", ["dataset", "from_function"])
+async def test_an_async_def_aiter_is_refused_and_its_coroutine_closed(two, how):
+    # It raised AttributeError ('coroutine' object has no attribute '__anext__'),
+    # and Python warned that the coroutine from __aiter__ was never awaited.
+    class Reader:
+        async def __aiter__(self):  # the mistake: __aiter__ must be a plain def
+            return self
+
+        async def __anext__(self):
+            raise StopAsyncIteration
+
+    if how == "dataset":
+        dataset = two.experimental_distribute_dataset(Reader())
+    else:
+        dataset = two.distribute_datasets_from_function(lambda context: Reader())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a "never awaited" RuntimeWarning fails the test
+        with pytest.raises(
+            aiodist.InvalidArgumentError,
+            match=r"Reader.__aiter__\(\) returned <coroutine .*not an async iterator.*"
+            r"a plain method \(def, not async def\)",
+        ):
+            async for _ in dataset:
+                pass
+        gc.collect()
