@@ -30,7 +30,8 @@ ahead are dropped, and every ``anext`` (one already waiting included) raises
 by ``aclose()``, once. A source that runs out is closed before the consumer is
 told, so an error closing it ends the ``async for`` (as one raised in an async
 generator's ``finally`` does); if no consumer was given it, ``aclose()`` raises
-it, or, the iterator dropped, the loop's exception handler reports it.
+it, or, the iterator dropped, the loop's exception handler reports it; so is an
+error closing the source after the iteration failed, or was left early.
 
 Errors: exceptions from the user's dataset reach the ``async for`` unchanged,
 and end the iteration as failed, not as exhausted: every later ``anext`` (in
@@ -446,8 +447,9 @@ class _Pipeline:
         self._started = False
         self._closing = False  # the source ran out and is being closed (_close_at_end)
         self._abandoned = False  # the iterator was dropped: no consumer is left
-        # An error closing the source at its end that no consumer has been given
-        # yet: aclose() raises it, or abandon() reports it (see take_close_error).
+        # An error closing the source (at its end, or after a failure or a stop:
+        # see _produce) that no consumer has been given yet: aclose() raises it, or
+        # abandon() reports it (see take_close_error).
         self._close_error: Exception | None = None
         self._waiters: list[asyncio.Future] = []
         loop = asyncio.get_running_loop()
@@ -457,6 +459,20 @@ class _Pipeline:
         self.task.add_done_callback(producers.discard)
 
     async def _produce(self) -> None:
+        """``_produce_batches``, keeping an error it raises for ``aclose()`` to
+        raise, or for ``abandon()`` to report: closing the source raised, after the
+        pass failed or was stopped (or the source's cleanup raised, stopped while
+        fetching). No consumer is given it (they saw the failure, or the end), and
+        raised out of the task it was reported, if ever, only as "Task exception
+        was never retrieved" when the task was freed."""
+        try:
+            await self._produce_batches()
+        except Exception as exc:
+            self._close_error = exc
+            if self._abandoned:
+                self._report_close_error()
+
+    async def _produce_batches(self) -> None:
         self._started = True
         try:
             while not self._finished:  # (cancel() before the first step finishes it)
@@ -468,7 +484,8 @@ class _Pipeline:
                 except Exception as exc:
                     if self._finished:
                         # Stopped (aclose) while fetching: the source's cleanup
-                        # raised. No consumer will see an entry now; aclose() raises it.
+                        # raised. No consumer will see an entry now; aclose() raises
+                        # it (see _produce).
                         raise
                     self._fail(exc)
                     return
@@ -561,8 +578,8 @@ class _Pipeline:
         self._report_close_error()
 
     def take_close_error(self) -> Exception | None:
-        """The error closing the source at its end that no consumer was given, if
-        any, for the caller to report: from now on it is not reported again."""
+        """The error closing the source that no consumer was given, if any, for the
+        caller to report: from now on it is not reported again."""
         error, self._close_error = self._close_error, None
         return error
 
@@ -621,10 +638,9 @@ class DistributedIterator:
             await source.aclose()
         if self._pipeline is not None:
             self._pipeline.cancel()
-            [outcome] = await asyncio.gather(self._pipeline.task, return_exceptions=True)
-            if first and isinstance(outcome, Exception):  # (not the CancelledError)
-                raise outcome
-            # Closed at the source's end, and failed, unseen by any consumer.
+            await asyncio.gather(self._pipeline.task, return_exceptions=True)
+            # Closing the source failed (now, or at its end or after an error), and
+            # no consumer was given that error.
             error = self._pipeline.take_close_error()
             if first and error is not None:
                 raise error

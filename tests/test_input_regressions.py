@@ -643,6 +643,69 @@ async def test_an_error_closing_the_source_at_its_end_is_raised_once(two, how):
         loop.set_exception_handler(None)
 
 
+class _ReadAndCloseFail:
+    """An async reader (a connection, say) that gives one batch, then fails to read
+    (``fails_to_read``; else it reads on for ever), and fails to close. Its errors
+    are made as raised: an error held keeps its traceback's frames alive, and so
+    (through the iterator's __anext__ frame) the iterator the test drops."""
+
+    def __init__(self, fails_to_read: bool):
+        self.fails_to_read, self.reads = fails_to_read, 0
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        self.reads += 1
+        if self.reads > 1 and self.fails_to_read:
+            raise ConnectionError("read failed")
+        await asyncio.sleep(0)
+        return np.zeros(2)
+
+    async def aclose(self):
+        raise ConnectionError("close failed")
+
+
+@pytest.mark.parametrize("how", ["failed, dropped", "left early", "failed, aclose"])
+async def test_an_error_closing_the_source_after_a_failure_or_a_break_is_reported(two, how):
+    """Closing the source raised after the pass had failed, or had been left with
+    `break`: the error was raised out of the producer task, which no one awaited,
+    so asyncio logged only "Task exception was never retrieved" (once the task was
+    freed). As at the source's end, the dropped iterator's error now reaches the
+    loop's exception handler, saying what failed, and aclose() raises it, once."""
+    reported = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda loop, context: reported.append(context))
+    try:
+        reader = _ReadAndCloseFail(fails_to_read=how.startswith("failed"))
+        iterator = aiter(two.experimental_distribute_dataset(reader))
+        if how == "left early":
+            async for _ in iterator:
+                break
+        else:
+            with pytest.raises(ConnectionError, match=r"^read failed$"):
+                async for _ in iterator:
+                    pass
+        if how == "failed, aclose":
+            with pytest.raises(ConnectionError, match=r"^close failed$"):
+                await iterator.aclose()
+            await iterator.aclose()  # raised once
+        del iterator
+        gc.collect()
+        await wait_until(lambda: not _producers(), "the producer finished")
+        gc.collect()
+        for _ in range(3):
+            await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(None)
+    if how == "failed, aclose":
+        assert reported == []
+    else:
+        [context] = reported
+        assert repr(context["exception"]) == "ConnectionError('close failed')"
+        assert "closing the source of a distributed dataset raised" in context["message"]
+
+
 class _Holder:
     """Something holding an iterator in a reference cycle: only the cyclic GC frees it."""
 
