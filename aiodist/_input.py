@@ -307,13 +307,19 @@ def _empty_like(structure: object) -> object:
 # -- sources -------------------------------------------------------------------------
 
 
-def _check_iterable(iterable: Any, where: str) -> None:
+def _check_iterable(iterable: Any, where: str, made_by: str = "") -> None:
     """Refuse what cannot be iterated, without opening it: iterating a data loader
     can start its workers. The methods are looked up on the type, as ``iter()``
     does (a class has ``__iter__`` as an attribute, yet is not iterable), and a
     ``__getitem__`` alone makes an iterable, as for ``iter()`` (the sequence
     protocol: items 0, 1, ... until ``IndexError``). A mapping is refused too: it
-    iterates its keys, so it is a batch passed where a dataset of batches belongs."""
+    iterates its keys, so it is a batch passed where a dataset of batches belongs.
+    ``made_by`` names, for the message, the call that returned ``iterable``
+    (``dataset_fn``'s, with its ``InputContext``), if it is not the user's own."""
+    # "dataset_fn=f returned None, which ...", or "None ...": the bad value alone
+    # did not say it came from dataset_fn, nor from which replica's call.
+    subject = f"{made_by} returned {iterable!r}, which" if made_by else repr(iterable)
+    the_dataset = f"{made_by} returned" if made_by else "the dataset is"
     kind = type(iterable)
     iterable_kind = any(
         getattr(kind, method, None) is not None
@@ -328,7 +334,7 @@ def _check_iterable(iterable: Any, where: str) -> None:
         shown = list(itertools.islice(iterable, 4))  # (not a copy of every key)
         keys = ", ".join(map(repr, shown[:3])) + (", ..." if len(shown) > 3 else "")
         raise InvalidArgumentError(
-            f"{where}: the dataset is a mapping ({type(iterable).__name__}, "
+            f"{where}: {the_dataset} a mapping ({type(iterable).__name__}, "
             f"{f'keys {keys}' if keys else 'empty'}), whose "
             "iteration gives its keys, not batches; expected an iterable of batches: for "
             "one global batch that is a dict, pass a list of it ([batch])."
@@ -336,7 +342,7 @@ def _check_iterable(iterable: Any, where: str) -> None:
     if iterable_kind and not isinstance(iterable, str | bytes) and not zero_d:
         return
     raise InvalidArgumentError(
-        f"{where}: {iterable!r} is not iterable; expected an iterable or async "
+        f"{where}: {subject} is not iterable; expected an iterable or async "
         "iterable of batches (a list, a generator, an async generator, ...)."
     )
 
@@ -984,6 +990,9 @@ def from_function(
                 "(an async generator is one)."
             ),
         )
+        for context, iterable in zip(contexts, iterables, strict=True):
+            made_by = f"dataset_fn={dataset_fn!r}, called with {context!r},"
+            _check_iterable(iterable, "distribute_datasets_from_function", made_by)
         return DistributedDataset(
             strategy,
             iterables,

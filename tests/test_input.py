@@ -297,7 +297,7 @@ def test_a_dict_given_as_the_dataset_is_refused_at_the_call(two):
         two.experimental_distribute_dataset(batch)
     for mode in ("per_worker", "per_replica"):
         options = aiodist.InputOptions(experimental_replication_mode=mode)
-        with pytest.raises(aiodist.InvalidArgumentError, match=r"is a mapping \(dict"):
+        with pytest.raises(aiodist.InvalidArgumentError, match=r"returned a mapping \(dict"):
             two.distribute_datasets_from_function(lambda context: batch, options)
     with pytest.raises(aiodist.InvalidArgumentError, match=r"\(OrderedDict, empty\)"):
         two.experimental_distribute_dataset(collections.OrderedDict())
@@ -442,6 +442,24 @@ def test_from_function_bad_arguments(two):
         two.distribute_datasets_from_function(3)
     with pytest.raises(ValueError, match=r"is not iterable"):
         two.distribute_datasets_from_function(lambda ctx: 5)
+
+
+def test_a_dataset_fn_result_that_is_no_dataset_is_named_with_its_call(two):
+    """The message named the bad value only ("None is not iterable"): not that
+    dataset_fn returned it, nor for which replica's InputContext."""
+
+    def dataset_fn(context):
+        return [np.ones(2)] if context.input_pipeline_id == 0 else None
+
+    options = aiodist.InputOptions(experimental_replication_mode="per_replica")
+    with pytest.raises(
+        aiodist.InvalidArgumentError,
+        match=r"^distribute_datasets_from_function: dataset_fn=<function .*dataset_fn at .*>, "
+        r"called with InputContext\(num_input_pipelines=2, input_pipeline_id=1, "
+        r"num_replicas_in_sync=2\), returned None, which is not iterable; expected an "
+        r"iterable or async iterable of batches",
+    ):
+        two.distribute_datasets_from_function(dataset_fn, options)
 
 
 def test_input_options_fields_as_in_tf():
