@@ -262,7 +262,9 @@ class trace:
     """Record a timeline of every run while the block runs; write it to ``path``.
 
     ``with aiodist.trace("trace.json"): ...`` or ``async with``: the async form
-    writes the file in a thread, so the event loop is not held.
+    writes the file in a thread, so the event loop is not held. A path the file
+    cannot be written to (its folder missing or read-only, a folder) raises
+    ``InvalidArgumentError`` as the block starts, before any work is done.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -276,18 +278,7 @@ class trace:
                 f"a trace is already being recorded (to {str(active.path)!r}); traces are "
                 "process-wide: finish that one first."
             )
-        # Checked now, not after the block has run (a training loop, say), whose
-        # whole trace would then be lost to a write that cannot succeed.
-        if not self.path.parent.is_dir():
-            raise InvalidArgumentError(
-                f"aiodist.trace: cannot write {str(self.path)!r}: the folder "
-                f"{str(self.path.parent)!r} does not exist; create it first."
-            )
-        if self.path.is_dir():  # (a folder, or "": the current one)
-            raise InvalidArgumentError(
-                f"aiodist.trace: cannot write {str(self.path)!r}: it is a folder; name "
-                f"a file to write, e.g. {str(self.path / 'trace.json')!r}."
-            )
+        _check_writable(self.path)
         self.tracer = active = Tracer(self.path)
         return self.tracer
 
@@ -310,6 +301,40 @@ class trace:
         import asyncio
 
         await asyncio.to_thread(_write, self._stop(), exc_info[1])
+
+
+def _check_writable(path: Path) -> None:
+    """Raise ``InvalidArgumentError`` unless ``path`` can be written: checked as the
+    trace starts, not after the block has run (a training loop, say), whose whole
+    trace would then be lost to a write that cannot succeed."""
+    where = f"aiodist.trace: cannot write {str(path)!r}"
+    try:
+        if not path.parent.is_dir():
+            if path.parent.exists():
+                raise InvalidArgumentError(
+                    f"{where}: {str(path.parent)!r} is a file, not a folder; name a file "
+                    "in a folder."
+                )
+            raise InvalidArgumentError(
+                f"{where}: the folder {str(path.parent)!r} does not exist; create it first."
+            )
+        if path.is_dir():  # (a folder, or "": the current one)
+            raise InvalidArgumentError(
+                f"{where}: it is a folder; name a file to write, e.g. {str(path / 'trace.json')!r}."
+            )
+        # The folder exists, but the file may still not be writable there (a folder
+        # without write permission, a file system that takes no new files, a link to
+        # a missing folder): open it as the write will, in append mode so that an
+        # existing file is left as it is, and remove it again if it was not there.
+        existed = os.path.lexists(path)
+        with open(path, "a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as exc:  # (also a name too long for the file system, from is_dir)
+        raise InvalidArgumentError(
+            f"{where}: {exc.strerror or exc}; name a file in a folder you can write to."
+        ) from exc
 
 
 def _write(tracer: Tracer, raised: object) -> None:

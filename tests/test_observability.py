@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -1035,6 +1036,50 @@ async def test_a_trace_path_naming_a_folder_is_refused_before_the_block_runs(tmp
     with aiodist.trace(tmp_path / "t.json"):  # no trace was left recording
         await two.run(rid)
     assert (tmp_path / "t.json").is_file()
+
+
+async def test_a_trace_path_that_cannot_be_written_is_refused_before_the_block_runs(tmp_path, two):
+    # The folder exists, but the file cannot be made there (a read-only folder, a
+    # link into a folder that is gone, a file taken for a folder): found only when
+    # the file was written, after the block (a whole training loop) had run, whose
+    # trace was then lost; a file taken for a folder was said not to exist.
+    steps = []
+
+    async def refused(path, match):
+        with pytest.raises(aiodist.InvalidArgumentError, match=match):
+            with aiodist.trace(path):
+                steps.append(await two.run(rid))
+        with pytest.raises(aiodist.InvalidArgumentError, match=match):
+            async with aiodist.trace(path):
+                steps.append(await two.run(rid))
+
+    link = tmp_path / "link.json"
+    try:
+        link.symlink_to(tmp_path / "gone" / "t.json")
+    except OSError:  # (Windows, without the privilege to make links)
+        pass
+    else:
+        await refused(link, r"cannot write '.*link.json': No such file or directory")
+    (tmp_path / "notes.txt").write_text("")
+    await refused(tmp_path / "notes.txt" / "t.json", r"'.*notes.txt' is a file, not a folder")
+    if hasattr(os, "geteuid") and os.geteuid() != 0:  # (root may write anywhere)
+        read_only = tmp_path / "read-only"
+        read_only.mkdir(mode=0o555)
+        await refused(read_only / "t.json", r"cannot write '.*t.json': Permission denied")
+    assert steps == []
+    # The check leaves an existing file as it is, and makes no new one, until the
+    # trace is written.
+    (tmp_path / "old.json").write_text("old")
+    with aiodist.trace(tmp_path / "old.json"):
+        assert (tmp_path / "old.json").read_text() == "old"
+        await two.run(rid)
+    with aiodist.trace(tmp_path / "new.json"):
+        assert not (tmp_path / "new.json").exists()
+        await two.run(rid)
+    for name in ("old.json", "new.json"):
+        assert any(
+            e["name"] == "run 1" for e in _validate(json.loads((tmp_path / name).read_text()))
+        )
 
 
 async def test_await_chain_shows_no_scheduler_frames_while_tracing(two, tmp_path):
