@@ -8,13 +8,38 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
-from types import MappingProxyType
 from typing import Any
 
 from ._rendezvous import Tally
 from ._replica_context import merge_fn_text
 
-__all__ = ["Counters", "RendezvousInFlight", "Statistics", "snapshot"]
+__all__ = ["Counters", "FrozenCounts", "RendezvousInFlight", "Statistics", "snapshot"]
+
+
+class FrozenCounts(dict):
+    """A snapshot's counts by collective: a dict that cannot be changed.
+
+    A dict, not a ``types.MappingProxyType``: a snapshot is data to export, and a
+    mapping proxy cannot be copied or pickled, so ``dataclasses.asdict(stats)``,
+    ``copy.deepcopy(stats)`` and ``pickle.dumps(stats)`` (a monitoring process's
+    queue) raised "cannot pickle 'mappingproxy' object". Every method that would
+    change it raises TypeError, as the proxy's did.
+    """
+
+    __slots__ = ()
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            "statistics() counts are a snapshot and cannot be changed; copy them "
+            "(dict(stats.collectives)) to change the copy."
+        )
+
+    __setitem__ = __delitem__ = __ior__ = _read_only
+    clear = pop = popitem = setdefault = update = _read_only
+
+    def __reduce__(self) -> tuple:
+        # (A dict subclass is otherwise rebuilt item by item, through __setitem__.)
+        return type(self), (dict(self),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +82,8 @@ class RendezvousInFlight:
 class Statistics:
     """A strategy's activity: what is in flight now, and totals since it was made.
 
-    ``runs``: finished runs; ``collectives``: completed calls by collective;
+    ``runs``: finished runs; ``collectives``: completed calls by collective (a
+    ``FrozenCounts``, a dict that cannot be changed);
     ``bytes_reduced``: input bytes of all-reduces and all-gathers, over all
     replicas; ``seconds_waiting``: time collective calls spent waiting for their
     last replica (from the first arrival to the last), summed over calls.
@@ -122,7 +148,7 @@ def snapshot(counters: Counters, live_groups: Iterable[Any], now: float) -> Stat
         runs_in_flight=len(groups),
         rendezvous_in_flight=tuple(in_flight),
         runs=counters.runs,
-        collectives=MappingProxyType(dict(counters.collectives)),
+        collectives=FrozenCounts(counters.collectives),
         bytes_reduced=counters.bytes_reduced,
         seconds_waiting=counters.seconds_waiting,
     )

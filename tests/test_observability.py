@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import json
 import logging
 import os
+import pickle
 import subprocess
 import sys
 import threading
@@ -518,6 +520,43 @@ async def test_statistics_of_a_run_blocked_mid_rendezvous():
         done.runs = 5
     with pytest.raises(TypeError):
         done.collectives["all_reduce"] = 0
+
+
+async def test_statistics_can_be_exported_copied_and_pickled(two):
+    # A snapshot is data to export: its counts were a types.MappingProxyType, so
+    # dataclasses.asdict, copy.deepcopy and pickle (a monitoring process's queue)
+    # all raised "cannot pickle 'mappingproxy' object".
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        await ctx.merge_call(lambda strategy: None)
+        return await ctx.all_reduce("sum", np.ones(2))
+
+    await two.run(fn)
+    stats = two.statistics()
+    exported = dataclasses.asdict(stats)
+    assert exported["collectives"] == {"all_reduce": 1, "merge_call": 1}
+    assert json.loads(json.dumps(exported))["runs"] == 1
+    for copied in (copy.deepcopy(stats), pickle.loads(pickle.dumps(stats))):
+        assert repr(copied) == repr(stats)
+        with pytest.raises(TypeError, match=r"snapshot and cannot be changed"):
+            copied.collectives["all_reduce"] = 0
+    # Still read-only, every way a dict may be changed.
+    counts = stats.collectives
+    changes = [
+        lambda: counts.__setitem__("all_reduce", 0),
+        lambda: counts.__delitem__("all_reduce"),
+        lambda: counts.update(all_reduce=0),
+        lambda: counts.setdefault("all_gather", 0),
+        lambda: counts.pop("all_reduce"),
+        counts.popitem,
+        counts.clear,
+    ]
+    for change in changes:
+        with pytest.raises(TypeError):
+            change()
+    with pytest.raises(TypeError):
+        counts |= {"all_reduce": 0}
+    assert counts == {"all_reduce": 1, "merge_call": 1}
 
 
 async def test_statistics_of_a_run_whose_merge_fn_has_not_finished():
