@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import inspect
 import math
+import numbers
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -83,11 +84,13 @@ def whole_number(value: Any, name: str, minimum: int, hint: str = "") -> int:
 
 
 def seconds(value: Any, name: str, *, zero: bool = False, hint: str = "") -> float:
-    """``value`` as a float: a finite int or float (not a bool) above 0, or at least 0
-    with ``zero``. NaN and infinity are refused: a wait of either never ends."""
+    """``value`` as a float: a finite real number (not a bool) above 0, or at least 0
+    with ``zero``. NaN and infinity are refused: a wait of either never ends. NumPy's
+    numbers count (``np.int64(5)``, ``np.float32(0.5)``: read from a config array),
+    as numbers.Real has them."""
     if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
+        isinstance(value, bool | np.bool_)
+        or not isinstance(value, numbers.Real)
         or not math.isfinite(value)
         or value < 0
         or (value == 0 and not zero)

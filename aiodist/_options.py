@@ -49,7 +49,8 @@ class CommunicationOptions:
         whole_number(self.bytes_per_pack, "bytes_per_pack", 0, " (0: one pack per dtype)")
         for name in ("timeout_seconds", "stall_warning_seconds"):
             if (value := getattr(self, name)) is not None:
-                seconds(value, name, hint=", or None")
+                # (Kept as a float: a NumPy number is one.)
+                object.__setattr__(self, name, seconds(value, name, hint=", or None"))
         implementation = member(CommunicationImplementation, self.implementation, "implementation")
         object.__setattr__(self, "implementation", implementation)  # a frozen dataclass
 

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import subprocess
 import sys
 import threading
@@ -477,6 +478,18 @@ def test_stall_option_validation():
         aiodist.CommunicationOptions(stall_warning_seconds=0)
     assert aiodist.CommunicationOptions().stall_warning_seconds == 30.0
     assert aiodist.CommunicationOptions(stall_warning_seconds=None).stall_warning_seconds is None
+    for bad in (-1, 0.0, float("nan"), float("inf"), "5", True, np.bool_(True), [1.0]):
+        for name in ("stall_warning_seconds", "timeout_seconds"):
+            with pytest.raises(
+                ValueError, match=rf"{name}={re.escape(repr(bad))}; expected a finite number"
+            ):
+                aiodist.CommunicationOptions(**{name: bad})
+    # NumPy's numbers are numbers (read from a config array, say): np.int64(3) and
+    # np.float32(0.5) were refused as not "a finite number of seconds > 0".
+    for good in (np.int64(3), np.float32(0.5), np.float64(2.0), 3):
+        options = aiodist.CommunicationOptions(stall_warning_seconds=good, timeout_seconds=good)
+        assert options.stall_warning_seconds == options.timeout_seconds == float(good)
+        assert type(options.stall_warning_seconds) is type(options.timeout_seconds) is float
 
 
 # -- statistics ----------------------------------------------------------------------
