@@ -264,7 +264,8 @@ class trace:
     ``with aiodist.trace("trace.json"): ...`` or ``async with``: the async form
     writes the file in a thread, so the event loop is not held. A path the file
     cannot be written to (its folder missing or read-only, a folder) raises
-    ``InvalidArgumentError`` as the block starts, before any work is done.
+    ``InvalidArgumentError`` as the block starts, before any work is done. A
+    relative path is taken in the folder current as the block starts.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -278,8 +279,11 @@ class trace:
                 f"a trace is already being recorded (to {str(active.path)!r}); traces are "
                 "process-wide: finish that one first."
             )
-        _check_writable(self.path)
-        self.tracer = active = Tracer(self.path)
+        # Where the block starts: a relative path names a file in the folder current
+        # now, wherever the block leaves the current folder (as logging.FileHandler).
+        path = self.path.absolute()
+        _check_writable(path)
+        self.tracer = active = Tracer(path)
         return self.tracer
 
     def _stop(self) -> Tracer:

@@ -1134,6 +1134,30 @@ async def test_a_trace_path_that_cannot_be_written_is_refused_before_the_block_r
         )
 
 
+async def test_a_relative_trace_path_names_a_file_in_the_folder_current_at_entry(
+    tmp_path, two, monkeypatch
+):
+    # The path was checked in the folder current as the block started and written
+    # in the one current as it ended: a block that changed folder (a tool, a library
+    # call) had its trace written elsewhere, or lost where that folder was gone.
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for form in ("with", "async with"):
+        monkeypatch.chdir(tmp_path / "a")
+        recording = aiodist.trace("t.json")
+        if form == "with":
+            with recording:
+                await two.run(rid)
+                monkeypatch.chdir(tmp_path / "b")
+        else:
+            async with recording:
+                await two.run(rid)
+                monkeypatch.chdir(tmp_path / "b")
+        assert [p.name for p in (tmp_path / "b").iterdir()] == []
+        _validate(json.loads((tmp_path / "a" / "t.json").read_text()))
+        (tmp_path / "a" / "t.json").unlink()
+
+
 async def test_await_chain_shows_no_scheduler_frames_while_tracing(two, tmp_path):
     # While tracing, a plain replica function returning a coroutine runs inside two
     # scheduler wrappers (_traced, _call); the chain starts at the user's frames.
