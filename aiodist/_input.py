@@ -485,9 +485,11 @@ class _Pipeline:
                 await self._free.acquire()
                 tracer = _trace.active
                 start, lane = (tracer.now(), tracer.take_input_lane()) if tracer else (0.0, 0)
+                outcome = None  # how a fetch that did not return ended, for its span
                 try:
                     more, element = await self._fetch()
                 except Exception as exc:
+                    outcome = f"raised {type(exc).__name__}"
                     if self._finished:
                         # Stopped (aclose) while fetching: the source's cleanup
                         # raised. No consumer will see an entry now; aclose() raises
@@ -496,15 +498,21 @@ class _Pipeline:
                     self._fail(exc)
                     return
                 except BaseException as exc:  # e.g. the source raised CancelledError itself
-                    if not isinstance(exc, asyncio.CancelledError) or not self.task.cancelling():
+                    cancelled = isinstance(exc, asyncio.CancelledError)
+                    outcome = "cancelled" if cancelled else f"raised {type(exc).__name__}"
+                    if not cancelled or not self.task.cancelling():
                         self._fail(exc)
                     raise
                 finally:
-                    if tracer is not None:  # (the end taken before the lane is free)
-                        end = tracer.now()
+                    if tracer is not None:
+                        # Every fetch has its span: one that failed (the source raised,
+                        # or a slow read was stopped) with its outcome, as a collective's.
+                        end = tracer.now()  # (taken before the lane is free)
                         tracer.free_input_lane(lane)
-                if tracer is not None:
-                    tracer.span("prefetch", "input", _trace.input_track(lane), start, end)
+                        extra = {} if outcome is None else {"outcome": outcome}
+                        tracer.span(
+                            "prefetch", "input", _trace.input_track(lane), start, end, **extra
+                        )
                 if not more:
                     await self._close_at_end()
                     return

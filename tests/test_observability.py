@@ -817,6 +817,39 @@ async def test_datasets_prefetching_at_once_get_input_tracks_of_their_own(tmp_pa
     assert names[100_001] == "input" and names[1_100_001] == "input (lane 1)"
 
 
+async def test_a_prefetch_that_fails_has_its_span_and_outcome(tmp_path, two):
+    # A fetch that raised (the source's read failed) or was stopped (the dataset
+    # closed during a slow read) wrote no span: the trace showed nothing of the read
+    # the input pipeline failed or waited in.
+    stop_reading = asyncio.Event()
+
+    async def failing():
+        yield np.ones(4)
+        await asyncio.sleep(0.01)  # a slow read, that then fails
+        raise OSError("disk gone")
+
+    async def stuck():
+        yield np.ones(4)
+        await stop_reading.wait()
+        yield np.ones(4)
+
+    path = tmp_path / "trace.json"
+    with aiodist.trace(path):
+        with pytest.raises(OSError, match="disk gone"):
+            async for _ in two.experimental_distribute_dataset(failing()):
+                pass
+        dataset = aiter(two.experimental_distribute_dataset(stuck()))
+        await anext(dataset)
+        await asyncio.sleep(0.01)  # the next read is under way, and never returns
+        await dataset.aclose()
+    events = _validate(json.loads(path.read_text()))
+    outcomes = [e["args"].get("outcome") for e in events if e["name"] == "prefetch"]
+    assert outcomes.count(None) == 2  # the first element of each
+    assert sorted(o for o in outcomes if o) == ["cancelled", "raised OSError"]
+    (failed,) = [e for e in events if e["args"].get("outcome") == "raised OSError"]
+    assert failed["dur"] >= 10_000  # its slow read, 10 ms
+
+
 async def test_a_sync_merge_fn_that_raises_has_its_cross_replica_span(tmp_path, two):
     def bad_merge(strategy):
         raise LookupError("boom")
