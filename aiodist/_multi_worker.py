@@ -74,7 +74,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _poll, _stall
+from . import _nest, _poll, _stall
 from ._checks import options_or_default, whole_number
 from ._devices import HOST as _HOST
 from ._devices import Device
@@ -1667,7 +1667,9 @@ class _WorkerGroup(RunGroup):
         # it waits for this task. So this is the run its headers say, from one source.)
         run = world._run_now()
         what = f"{signature.text}, call #{number} of run {run}"
-        key = repr((run, number, signature.name, signature.key))
+        # (stable_repr, not repr: the same text on every worker, whatever its hash
+        # seed, for a structure keyed by frozensets of str too.)
+        key = _nest.stable_repr((run, number, signature.name, signature.key))
         arrays = [payload[ARRAYS] for payload in payloads]
         if strategy._nccl is not None:  # GPU replicas: one NCCL call over every worker
             out = await world.operate(

@@ -14,6 +14,11 @@ Replicas' keys are compared by their *form* (``key_forms``): the key itself, but
 a NaN, which equals no other NaN (each replica makes its own), as one marker, in
 tuples and frozensets too; so ``{float("nan"): x}`` on every replica is one
 structure.
+
+Workers (``MultiWorkerMirroredStrategy``) compare structures as text, made by
+``stable_repr``: ``repr`` lists a frozenset's members in hash order, which for
+str and bytes differs between processes (``PYTHONHASHSEED``), so
+``{frozenset({"a", "b"}): x}`` would read differently on two workers.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ __all__ = [
     "pack_as",
     "rebuild",
     "skeleton",
+    "stable_repr",
 ]
 
 
@@ -276,6 +282,24 @@ def skeleton(value: object) -> object:
             return (type(value).__name__, len(value))  # flat: no per-leaf work
         return (type(value).__name__, tuple(skeleton(child) for child in value))
     return None
+
+
+def stable_repr(value: object) -> str:
+    """``repr(value)`` of a skeleton (or a key holding one), the same text in every
+    process: a frozenset's or set's members are listed in the order of their own
+    texts, not in their hash order, which for str and bytes members depends on
+    the process's hash seed. Tuples and lists are walked to reach them; any other
+    value is its ``repr``. (Workers compare these texts; see the module docstring.)"""
+    kind = type(value)
+    if kind is tuple:
+        if len(value) == 1:
+            return f"({stable_repr(value[0])},)"
+        return f"({', '.join(map(stable_repr, value))})"
+    if kind is list:
+        return f"[{', '.join(map(stable_repr, value))}]"
+    if (kind is frozenset or kind is set) and value:
+        return f"{kind.__name__}({{{', '.join(sorted(map(stable_repr, value)))}}})"
+    return repr(value)
 
 
 def flatten_with_skeleton(value: object) -> tuple[list, object, set | None]:

@@ -1076,6 +1076,33 @@ async def _structures(strategy: aiodist.Strategy) -> list:
     return refused
 
 
+async def _hash_seeds(strategy: aiodist.Strategy) -> dict:
+    """Structures keyed by frozensets of str (and tuples holding them) reduced and
+    gathered by workers started with different PYTHONHASHSEEDs."""
+
+    def named(out: dict) -> list:
+        rows = [[",".join(sorted(key)), _plain(v)] for key, v in out.items()]
+        return sorted(rows)
+
+    async def step():
+        ctx = aiodist.get_replica_context()
+        words = frozenset({"alpha", "beta", "gamma", "delta"})
+        value = {words: np.ones(2), frozenset({"x"}): np.ones(1)}
+        reduced = await ctx.all_reduce("sum", value)
+        nested = {(frozenset("abc"), 1): np.ones(1), (frozenset("d"), 2): np.full(1, 1.5)}
+        nested = await ctx.all_reduce("sum", nested)
+        gathered = await ctx.all_gather(value, axis=0)
+        pairs = [[[",".join(sorted(k[0])), k[1]], _plain(v)] for k, v in nested.items()]
+        return {
+            "reduced": named(reduced),
+            "nested": sorted(pairs),
+            "gathered": named({k: v[-2:] for k, v in gathered.items()}),
+        }
+
+    result = strategy.experimental_local_results(await strategy.run(step))[0]
+    return {"seed": os.environ.get("PYTHONHASHSEED"), **result}
+
+
 async def _plain_variable(strategy: aiodist.Strategy) -> dict:
     """A variable made outside any scope is reduced as its value (one copy, whatever
     the number of local replicas), as MirroredStrategy reduces it."""
@@ -1349,6 +1376,7 @@ _BOUNDED = (
     "cancelled_in_turn",
     "run_in_merge_fn",
     "plain_variable",
+    "hash_seeds",
     "sync_after_a_failed_run",
     "plain_values",
     "runs_without_calls",
@@ -1420,6 +1448,7 @@ def main() -> None:
         "statistics": _statistics,
         "structures": _structures,
         "plain_variable": _plain_variable,
+        "hash_seeds": _hash_seeds,
         "sync_after_a_failed_run": _sync_after_a_failed_run,
         "failed_run_frees": _failed_run_frees,
         "many_successes": _many_successes,

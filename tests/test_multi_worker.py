@@ -47,10 +47,17 @@ def _launch(
     loop: str = "uvloop",
     gpus: bool = False,
     env: dict | None = None,
+    hash_seeds: list[int] | None = None,
 ) -> tuple:
     """Run ``mpiexec -n workers`` on the program; (rc, {rank: result}, output, seconds).
-    ``gpus``: every worker's replicas on GPUs of its own; ``env``: more variables."""
+    ``gpus``: every worker's replicas on GPUs of its own; ``env``: more variables;
+    ``hash_seeds``: each worker's PYTHONHASHSEED (one per worker)."""
     command = [_mpiexec(), "-n", str(workers), sys.executable, *args]
+    if hash_seeds is not None:  # one program per worker, each with its own seed
+        command = [_mpiexec()]
+        for seed in hash_seeds:
+            command += [":"] if len(command) > 1 else []
+            command += ["-n", "1", "-env", "PYTHONHASHSEED", str(seed), sys.executable, *args]
     with tempfile.TemporaryDirectory() as folder:
         env = {
             **os.environ,
@@ -686,6 +693,22 @@ def test_structures_of_distributed_values_are_refused_across_workers():
     assert rc == 0, output[-3000:]
     for result in results.values():
         assert result[0] == "strategy.reduce: value is a dict (keys 'loss')"
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_structures_keyed_by_frozensets_of_str_agree_across_hash_seeds(loop):
+    """Workers compare a collective's structure as text: a frozenset's repr lists
+    str members in hash order, which differs between processes, and raised a
+    false CollectiveMismatchError for one structure."""
+    seeds = [1, 2]  # (these two order frozenset({"alpha", ..., "delta"}) differently)
+    rc, results, output, _ = _program(2, "hash_seeds", [1, 1], loop=loop, hash_seeds=seeds)
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == [0, 1], output[-3000:]
+    for result in results.values():
+        assert result["seed"] in ("1", "2")
+        assert result["reduced"] == [["alpha,beta,delta,gamma", [2.0, 2.0]], ["x", [2.0]]]
+        assert result["nested"] == [[["a,b,c", 1], [2.0]], [["d", 2], [3.0]]]
+        assert result["gathered"] == [["alpha,beta,delta,gamma", [1.0, 1.0]], ["x", [1.0, 1.0]]]
 
 
 def test_a_variable_made_outside_any_scope_is_reduced_as_its_value():
