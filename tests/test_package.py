@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,31 @@ def test_aiodist_run_uses_uvloop_when_installed():
         return type(__import__("asyncio").get_running_loop())
 
     assert aiodist.run(which()) is uvloop.Loop
+
+
+def test_aiodist_run_of_a_coroutine_function_or_a_non_awaitable_says_what_to_pass():
+    # It raised asyncio's "a coroutine was expected, got <function main at 0x...>",
+    # which says nothing of the missing call.
+    async def main():
+        return 1
+
+    with pytest.raises(aiodist.InvalidArgumentError) as caught:
+        aiodist.run(main)
+    message = str(caught.value)
+    assert "got the coroutine function " in message
+    assert ".main() - the coroutine - not " in message
+    assert isinstance(caught.value, ValueError)  # as asyncio.run raises
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"got int \(42\); pass main\(\)"):
+        aiodist.run(42)
+    assert aiodist.run(main()) == 1  # nothing was left half-made
+
+
+def test_aiodist_run_takes_any_awaitable_as_asyncio_run_does_on_python_314():
+    class Answer:
+        def __await__(self):
+            return (yield from asyncio.sleep(0, result=42).__await__())
+
+    assert aiodist.run(Answer()) == 42
 
 
 async def test_aiodist_run_inside_a_running_loop_says_to_await():
