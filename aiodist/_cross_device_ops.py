@@ -562,8 +562,11 @@ class ReductionToOneDevice(CrossDeviceOps):
         reduce_to_device: where values are combined (default: the first
             destination).
         accumulation_fn: ``fn(list_of_arrays) -> array`` used to add values for
-            SUM and MEAN (default: element-wise addition). MIN, MAX and PRODUCT
-            always use their element-wise ufunc.
+            SUM and MEAN (default: element-wise addition); it must return an
+            array of its inputs' shape and dtype (``InvalidArgumentError``
+            otherwise, in every replica). MIN, MAX and PRODUCT always use their
+            element-wise ufunc. Each input may be one replica's leaves packed into
+            one flat array, and integers are passed to it for MEAN as float64.
 
     Works for any mix of CPU devices, and for several replicas on one device.
     Both settings may be changed later, by assigning the attributes.
@@ -687,15 +690,7 @@ class ReductionToOneDevice(CrossDeviceOps):
                 values = [mean_operand(value) for value in values]
         if self._accumulation_fn is not None and op in (ReduceOp.SUM, ReduceOp.MEAN):
             with backend.on_device(target):
-                total = backend.asarray(self._accumulation_fn(values), target)
-                if total.shape != values[0].shape:
-                    # Batched leaves would be cut from it silently, short or misplaced.
-                    raise InvalidArgumentError(
-                        f"ReductionToOneDevice: accumulation_fn={self._accumulation_fn!r} "
-                        f"returned a value of shape {tuple(total.shape)} for {len(values)} "
-                        f"values of shape {tuple(values[0].shape)}; expected their "
-                        "element-wise sum, of that same shape."
-                    )
+                total = self._accumulated(self._accumulation_fn(values), values, backend, target)
                 if _aliases(total, values):
                     # It handed back an input (or a view of one): MEAN would divide
                     # the replica's own value, and results would share its memory.
@@ -708,6 +703,35 @@ class ReductionToOneDevice(CrossDeviceOps):
         if op.divides_by_count:
             with backend.on_device(target):
                 total = mean_of_sum(xp, total, len(values))
+        return total
+
+    def _accumulated(self, result: Any, values: Sequence[Any], backend: Any, target: Device) -> Any:
+        """``accumulation_fn``'s ``result`` for ``values`` as an array on ``target``;
+        ``InvalidArgumentError`` unless it is an array of their shape and dtype.
+
+        Batched leaves would be cut from a result of another shape silently, short
+        or misplaced; one of another dtype would change the dtype every replica
+        receives (all_reduce promises the values' own), and a packed batch would
+        hand every leaf that dtype. A non-array (None, a list) would become an
+        object or float64 array, or fail later in a way that names no function."""
+        first = values[0]
+        expected = f"{len(values)} values of shape {tuple(first.shape)} and dtype {first.dtype}"
+        if not (hasattr(result, "dtype") and hasattr(result, "shape")):
+            raise InvalidArgumentError(
+                f"ReductionToOneDevice: accumulation_fn={self._accumulation_fn!r} returned "
+                f"a value that is no array, {type(result).__name__} ({result!r:.80}), for "
+                f"{expected}; expected their element-wise sum, an array of that same shape "
+                "and dtype (np.add.reduce(values), or sum(values))."
+            )
+        total = backend.asarray(result, target)
+        if total.shape != first.shape or total.dtype != first.dtype:
+            raise InvalidArgumentError(
+                f"ReductionToOneDevice: accumulation_fn={self._accumulation_fn!r} returned "
+                f"a value of shape {tuple(total.shape)} and dtype {total.dtype} for "
+                f"{expected}; expected their element-wise sum, an array of that same shape "
+                "and dtype (where it computes in another dtype, cast its result back: "
+                ".astype(values[0].dtype))."
+            )
         return total
 
 

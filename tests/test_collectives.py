@@ -247,8 +247,55 @@ async def test_an_accumulation_fn_returning_another_shape_is_refused(value):
 
     with pytest.raises(aiodist.InvalidArgumentError, match=r"accumulation_fn=.* returned a value"):
         await strategy.run(fn)
-    with pytest.raises(aiodist.InvalidArgumentError, match=r"of shape \(3,\) for 2 values"):
+    with pytest.raises(
+        aiodist.InvalidArgumentError, match=r"of shape \(3,\) and dtype float64 for 2 values"
+    ):
         await strategy.reduce("sum", aiodist.PerReplica([np.ones(5), np.ones(5)]), axis=None)
+
+
+def _as_float64(values):
+    return np.add.reduce([value.astype(np.float64) for value in values])
+
+
+@pytest.mark.parametrize(
+    ("accumulate", "value", "returned"),
+    [
+        (_as_float64, np.ones(3, np.float32), "of shape \\(3,\\) and dtype float64"),
+        (_as_float64, [np.ones(3, np.float32), np.ones(2, np.float32)], "dtype float64"),
+        (lambda values: sum(values) * 1.0, np.ones(3, np.int32), "dtype float64"),
+        (lambda values: sum(values).tolist(), np.ones(3, np.float32), "list \\(\\[3.0, "),
+        (lambda values: None, np.float32(1), "NoneType \\(None\\)"),
+        (lambda values: None, np.array(1.0), "NoneType \\(None\\)"),
+    ],
+    ids=["dtype", "batched-dtype", "int-to-float", "list", "none-for-a-scalar", "none-for-0-d"],
+)
+async def test_an_accumulation_fn_returning_another_dtype_or_no_array_is_refused_everywhere(
+    accumulate, value, returned
+):
+    # Its result's dtype became every replica's (float64 for float32 or int32
+    # values, in a packed batch for every leaf); a list became a float64 array, and
+    # None for scalars an object array, each handed back as the reduced value.
+    ops = aiodist.ReductionToOneDevice(accumulation_fn=accumulate)
+    strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"], cross_device_ops=ops)
+    pattern = rf"accumulation_fn=<function .*> returned a value.*{returned}.* for 3 values "
+    pattern += r".*expected their element-wise sum, an array"
+
+    async def caught():
+        with pytest.raises(aiodist.InvalidArgumentError, match=pattern) as error:
+            await aiodist.get_replica_context().all_reduce("sum", value)
+        return error.value
+
+    errors = local(strategy, await strategy.run(caught))
+    assert len({id(error) for error in errors}) == 1  # every replica got the one error
+
+    async def uncaught():
+        return await aiodist.get_replica_context().all_reduce("sum", value)
+
+    with pytest.raises(aiodist.InvalidArgumentError, match=pattern):
+        await strategy.run(uncaught)
+    if not isinstance(value, list):
+        with pytest.raises(aiodist.InvalidArgumentError, match=pattern):
+            await strategy.reduce("sum", aiodist.PerReplica([value] * 3), axis=None)
 
 
 class _CountingOps(aiodist.ReductionToOneDevice):
