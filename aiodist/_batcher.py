@@ -8,8 +8,10 @@ A ``Batcher`` turns many concurrent single requests into few batches:
   for more (never more than ``max_batch_size`` rows, and only requests whose rows
   have the first's width and dtype), concatenates them, splits
   the batch across the replicas (``strategy.run``), and hands each caller its
-  slice of the result (under ``MultiWorkerMirroredStrategy``, each worker's
-  batcher batches its own requests over its own replicas);
+  slice of the result, in the dtype the step computed its rows in (never
+  promoted to join another replica's output: ``_MixedRows``; under
+  ``MultiWorkerMirroredStrategy``, each worker's batcher batches its own
+  requests over its own replicas);
 - admission is bounded: when ``max_queue_rows`` rows are already waiting,
   ``submit`` raises ``Overloaded`` at once instead of queueing without limit;
 - a caller cancelled while queued (its client went away) is dropped from the
@@ -121,6 +123,54 @@ def _note_empty_shares(exc: BaseException, rows: int, replicas: int, row_shape: 
         exc.add_note(note)
 
 
+class _MixedRows:
+    """A batch's output whose replicas returned rows of different dtypes (an int64
+    id on one replica's rows, a float64 NaN for an unknown one on another's).
+
+    ``np.concatenate`` would promote every row to one dtype: int64 ids above 2**53
+    would come back rounded as float64, int32 and uint32 as int64, for callers
+    whose rows were computed in neither. Instead each request's rows are cut from
+    the replica output that computed them, in that output's dtype. A request
+    whose rows were split across replicas of different dtypes has no one dtype
+    to get: it gets ``InvalidArgumentError`` (the others of its batch are served).
+    """
+
+    __slots__ = ("_ends", "_parts", "_replicas")
+
+    def __init__(self, parts: list[np.ndarray], replicas: list[int]):
+        self._parts = parts  # each non-empty share's output, in row order
+        self._replicas = replicas  # the replica that computed each
+        self._ends = np.cumsum([len(part) for part in parts]).tolist()
+
+    def rows(self, offset: int, size: int) -> np.ndarray:
+        """Rows ``offset`` to ``offset + size`` of the batch's output."""
+        pieces, start = [], 0
+        for part, replica, end in zip(self._parts, self._replicas, self._ends, strict=True):
+            if start < offset + size and offset < end:
+                low, high = max(offset, start) - start, min(offset + size, end) - start
+                pieces.append((replica, part[low:high]))
+            start = end
+        if len({piece.dtype for _, piece in pieces}) == 1:
+            # (a copy, as the joined output's slices are: never a view of what the
+            # step returned, which may be its own array)
+            return np.concatenate([piece for _, piece in pieces])
+        shown = ", ".join(f"{piece.dtype} on replica {replica}" for replica, piece in pieces)
+        raise InvalidArgumentError(
+            f"Batcher: this request's rows were split across replicas whose outputs have "
+            f"different dtypes ({shown}); joining them would change what the step computed. "
+            "Make the step return one dtype on every replica (cast with .astype)."
+        )
+
+
+def _joins_exactly(dtypes: set) -> bool:
+    """Whether outputs of ``dtypes`` concatenate without changing any value's
+    dtype: one dtype, or strings (or bytes) of several lengths, which only widen."""
+    if len(dtypes) == 1:
+        return True
+    kinds = {dtype.kind for dtype in dtypes}
+    return len(kinds) == 1 and kinds <= {"U", "S"}
+
+
 def _fail(requests: Any, exc: BaseException) -> None:
     """Answer every request still waiting with ``exc`` (one object for all)."""
     for request in requests:
@@ -176,7 +226,10 @@ class Batcher:
         strategy: the strategy whose replicas run the step.
         step_fn: ``async def step_fn(rows)`` run once per replica on that
             replica's share of the batch rows; returns one array with one row
-            per input row (not a tuple, list or dict of outputs). A batch of
+            per input row (not a tuple, list or dict of outputs), of one dtype
+            on every replica (each caller gets its rows in the dtype its replica
+            returned; one whose rows span replicas of different dtypes gets
+            ``InvalidArgumentError``). A batch of
             fewer rows than replicas gives the last replicas no rows (shape
             ``(0, width)``): the step runs there too and returns no rows.
         max_batch_size: most rows in one batch.
@@ -591,12 +644,21 @@ class Batcher:
         for request in batch:
             size = len(request.rows)
             if not request.future.done():
-                request.future.set_result(outputs[offset : offset + size])
+                if type(outputs) is _MixedRows:  # (replicas' outputs of several dtypes)
+                    try:
+                        mine = outputs.rows(offset, size)
+                    except InvalidArgumentError as exc:
+                        request.future.set_exception(exc)
+                        offset += size
+                        continue
+                else:
+                    mine = outputs[offset : offset + size]
+                request.future.set_result(mine)
                 self._requests += 1
                 self._latencies.append(now - request.submitted)
             offset += size
 
-    async def _run_batch(self, rows: np.ndarray) -> np.ndarray:
+    async def _run_batch(self, rows: np.ndarray) -> np.ndarray | _MixedRows:
         # This process's replicas (under MultiWorkerMirroredStrategy every worker
         # batches its own requests, not a share of a global batch).
         strategy = self.strategy
@@ -644,17 +706,22 @@ class Batcher:
                     f"{len(shard)} input rows; it must return one output row per input row."
                 )
         # (Replicas given no rows, when the batch has fewer rows than replicas, add
-        # none: their empty outputs left out, whatever shape the step gives them.)
+        # none: their empty outputs left out, whatever shape and dtype the step gives
+        # them.)
         joined = [p for p, shard in zip(parts, shards, strict=True) if len(shard)]
-        try:
-            return np.concatenate(joined)
-        except ValueError:  # (diagnosed only when joining failed: no cost to the rest)
-            shapes: dict[tuple, list[int]] = {}
-            for replica, (part, shard) in enumerate(zip(parts, shards, strict=True)):
-                if len(shard):
-                    shapes.setdefault(part.shape[1:], []).append(replica)
-            if len(shapes) == 1:  # (not seen: rows of one shape join; NumPy's reason)
-                raise
+        shapes: dict[tuple, list[int]]
+        if _joins_exactly({part.dtype for part in joined}):  # (the common case)
+            try:
+                return np.concatenate(joined)
+            except ValueError:  # (diagnosed only when joining failed: no cost to the rest)
+                shapes = _row_shapes(parts, shards)
+                if len(shapes) == 1:  # (not seen: rows of one shape join; NumPy's reason)
+                    raise
+        else:  # outputs of several dtypes: each caller's rows in their own (_MixedRows)
+            shapes = _row_shapes(parts, shards)
+            if len(shapes) == 1:
+                replicas = [r for r, shard in enumerate(shards) if len(shard)]
+                return _MixedRows(joined, replicas)
         # Rows padded to the longest in each replica's share, for example: one caller's
         # rows could not be joined with another's.
         shown = "; ".join(
@@ -666,3 +733,12 @@ class Batcher:
             f"Batcher: the step returned {shown}; every replica must return rows of one shape "
             "(pad outputs to a fixed width, not to the longest in the replica's rows)."
         )
+
+
+def _row_shapes(parts: list, shards: list) -> dict[tuple, list[int]]:
+    """The replicas given rows, by the shape of their output rows."""
+    shapes: dict[tuple, list[int]] = {}
+    for replica, (part, shard) in enumerate(zip(parts, shards, strict=True)):
+        if len(shard):
+            shapes.setdefault(part.shape[1:], []).append(replica)
+    return shapes

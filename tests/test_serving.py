@@ -880,6 +880,49 @@ async def test_a_requests_dtype_does_not_depend_on_what_it_is_batched_with(two):
     await batcher.stop()
 
 
+async def test_each_request_gets_its_rows_in_the_dtype_the_step_computed_them_in(two):
+    # Replicas' outputs of different dtypes were joined by np.concatenate, which
+    # promoted every caller's rows: an int64 id above 2**53 came back as a rounded
+    # float64 because another request of its batch held a NaN; int32 and uint32
+    # outputs both came back as int64.
+    big = 2**53 + 1
+
+    async def ids(rows):  # exact int64 ids, or float64 with NaN for an unknown row
+        if np.isnan(rows).any():
+            return np.where(np.isnan(rows[:, :1]), np.nan, float(big))
+        return np.full((len(rows), 1), big, dtype=np.int64)
+
+    batcher = Batcher(two, ids, max_batch_size=8, max_wait_seconds=0.05)
+    await batcher.start()
+    known, unknown = await asyncio.gather(
+        batcher.submit(np.ones((1, 2))), batcher.submit(np.full((1, 2), np.nan))
+    )
+    assert known.dtype == np.int64 and known.tolist() == [[big]]
+    assert unknown.dtype == np.float64 and np.isnan(unknown).all()
+
+    async def by_replica(rows):  # int32 on replica 0's rows, uint32 on replica 1's
+        replica = aiodist.get_replica_context().replica_id_in_sync_group
+        return (rows * 2).astype(np.int32 if replica == 0 else np.uint32)
+
+    batcher.step_fn = by_replica
+    first, second = await asyncio.gather(
+        batcher.submit(np.array([[1]])), batcher.submit(np.array([[2]]))
+    )
+    assert (first.dtype, first.tolist()) == (np.int32, [[2]])
+    assert (second.dtype, second.tolist()) == (np.uint32, [[4]])
+    # Three rows: two on replica 0, one on replica 1. The second request's rows were
+    # computed in two dtypes: it alone is refused, naming them; the first is served.
+    first, split = await asyncio.gather(
+        batcher.submit(np.array([[1]])),
+        batcher.submit(np.array([[2], [3]])),
+        return_exceptions=True,
+    )
+    assert (first.dtype, first.tolist()) == (np.int32, [[2]])
+    assert isinstance(split, aiodist.InvalidArgumentError)
+    assert "(int32 on replica 0, uint32 on replica 1)" in str(split)
+    await batcher.stop()
+
+
 async def test_stop_refuses_a_bad_deadline_and_keeps_serving(two):
     batcher = Batcher(two, linear, max_wait_seconds=0)
     await batcher.start()
