@@ -126,7 +126,23 @@ def _cupy_installed() -> bool:
 
 
 def visible_gpu_count() -> int:
-    """How many GPUs CuPy sees here; 0 without CuPy or a working driver."""
+    """How many GPUs CuPy sees here; 0 without CuPy or a working driver.
+
+    Asked of the CUDA runtime once per process: the answer cannot change (CUDA
+    reads ``CUDA_VISIBLE_DEVICES`` when it starts, and a missing or too old driver
+    stays missing), and it is asked often: by every strategy made with the
+    default devices, and by every ``aiodist.ready()`` of a program that imported
+    CuPy but made no GPU strategy."""
+    global _visible_gpus
+    if _visible_gpus is None:
+        _visible_gpus = _count_visible_gpus()
+    return _visible_gpus
+
+
+_visible_gpus: int | None = None  # visible_gpu_count's answer, once asked
+
+
+def _count_visible_gpus() -> int:
     if not _cupy_installed():
         return 0
     try:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -219,6 +221,49 @@ def test_gpu_with_cupy_but_no_usable_driver_says_what_is_missing():
     # ... and with no devices named, the strategy falls back to the host.
     assert aiodist.MirroredStrategy().extended.worker_devices == ("/device:CPU:0",)
     assert aiodist._backends.loaded_gpu_backend() is None
+
+
+_COUNT_RUNTIME_QUERIES = """
+import sys
+import cupy
+import aiodist
+from aiodist import _backends
+
+queries = []
+
+def profile(frame, event, arg):
+    if event == "c_call" and getattr(arg, "__name__", "") == "getDeviceCount":
+        queries.append(arg)
+
+async def ready_often():
+    for _ in range(3):
+        await aiodist.ready()
+
+sys.setprofile(profile)
+for _ in range(3):
+    _backends.visible_gpu_count()
+    aiodist.MirroredStrategy()
+aiodist.run(ready_often())
+sys.setprofile(None)
+print(len(queries))
+"""
+
+
+@pytest.mark.skipif(not HAS_CUPY, reason="counts CuPy's CUDA runtime queries: needs CuPy")
+def test_the_cuda_runtime_is_asked_for_the_gpu_count_once_per_process():
+    # Every visible_gpu_count() asked cupy.cuda.runtime.getDeviceCount() again: each
+    # strategy made with the default devices, and each aiodist.ready() of a program
+    # that imported CuPy without making a GPU strategy (no GPU: every time).
+    # (A fresh process, which nothing has asked yet; CuPy's function is watched, not
+    # replaced.)
+    done = subprocess.run(
+        [sys.executable, "-c", _COUNT_RUNTIME_QUERIES],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "1"
 
 
 def test_nccl_all_reduce_refuses_cpu_devices_before_touching_cupy():
