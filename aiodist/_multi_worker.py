@@ -1547,6 +1547,7 @@ from ._strategy import (  # noqa: E402
     StrategyExtended,
     _local_parts,
     ambiguous_reduction,
+    run_options_refused,
 )
 from ._values import DistributedValues, PerReplica, refuse_structure  # noqa: E402
 
@@ -1903,6 +1904,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         """``Strategy.run``, one run at a time per strategy (the order rule)."""
         if _context.current_replica() is not None:  # raises the usual error
             return await super().run(fn, args, kwargs, options)
+        if options is not None:  # before the run is numbered: no run of it on any worker
+            raise run_options_refused(options)
         world = self._world
         outer = _current_run.get()
         if outer is not None and outer.world is world and not outer.ended.done():

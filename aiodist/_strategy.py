@@ -345,6 +345,25 @@ def ambiguous_reduction(op: ReduceOp, what: str, where: str) -> str:
     )
 
 
+def run_options_refused(options: Any) -> InvalidArgumentError:
+    """``run(options=...)`` given anything but None. TF's ``RunOptions`` holds
+    TPU-only fields; taking any value quietly (a ``CommunicationOptions`` whose
+    timeout then bounded nothing) would let a user believe it applies."""
+    if isinstance(options, CommunicationOptions):
+        what = "run() does not apply CommunicationOptions to the collectives of its replicas"
+    else:
+        what = (
+            "in TF it is a tf.distribute.RunOptions, whose fields are all TPU-only, "
+            "and aiodist has none to take"
+        )
+    return InvalidArgumentError(
+        f"run: options={options!r} is not accepted: {what}. Leave options=None; pass "
+        "CommunicationOptions to each collective (ctx.all_reduce(..., options=...), "
+        "ctx.all_gather(..., options=...), strategy.extended.reduce_to(..., options=...)), "
+        "or to the strategy as its defaults (communication_options=...)."
+    )
+
+
 class Strategy:
     """Base class of strategies. Use ``MirroredStrategy`` or ``OneDeviceStrategy``."""
 
@@ -434,6 +453,13 @@ class Strategy:
         becomes ``PerReplica``. If a replica raises, the others are cancelled and
         that exception propagates.
 
+        ``options`` is kept for TF's signature and must be None: TF's is a
+        ``tf.distribute.RunOptions`` of TPU-only fields, which aiodist has no use
+        for, and anything else (a ``CommunicationOptions`` included) is refused
+        with ``InvalidArgumentError``. Communication options go to each collective
+        (``ctx.all_reduce(..., options=...)``) or to the strategy
+        (``communication_options=``).
+
         Examples:
             >>> import aiodist
             >>> strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:1"])
@@ -456,6 +482,8 @@ class Strategy:
         # any scope. Tested last: the usual run has current None or self.)
         if current is not None and current is not self and _context.non_default(current):
             raise _context._mixing(current, self)
+        if options is not None:  # (the one test the usual run pays for it)
+            raise run_options_refused(options)
         if not callable(fn):
             raise not_callable(fn, f"run: fn={fn!r} is not callable.")
         if type(args) is not tuple:  # the usual tuple needs no check (once per step)

@@ -791,9 +791,18 @@ async def _run_in_merge_fn(strategy: aiodist.Strategy) -> dict:
         await asyncio.wait_for(strategy.run(step), 5.0)
     except (aiodist.AiodistError, TimeoutError) as exc:
         nested = [type(exc).__name__, str(exc)]
+    after = time.monotonic() - started
+    # run(options=...) is refused before the run is numbered: the next run pairs.
+    try:
+        quick = aiodist.CommunicationOptions(timeout_seconds=0.05)
+        await strategy.run(inner, options=quick)
+        options = [None, ""]
+    except aiodist.AiodistError as exc:
+        options = [type(exc).__name__, str(exc)]
     return {
         "nested": nested,
-        "after": time.monotonic() - started,
+        "after": after,
+        "options": options,
         "next": float(await strategy.run(inner)),
     }
 

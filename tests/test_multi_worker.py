@@ -817,7 +817,8 @@ def test_a_run_cancelled_while_waiting_for_its_turn_keeps_its_place(loop):
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_run_inside_a_runs_merge_fn_is_refused_not_deadlocked(loop):
     """Before, the inner run waited forever for the end of the outer run, which
-    waited for it (runs are serialised)."""
+    waited for it (runs are serialised). run(options=...) is refused there too
+    (it was taken and ignored), and the next run still pairs."""
     rc, results, output, _ = _program(2, "run_in_merge_fn", [1, 1], loop=loop)
     assert rc == 0, output[-3000:]
     assert sorted(results) == [0, 1], output[-3000:]
@@ -825,6 +826,9 @@ def test_a_run_inside_a_runs_merge_fn_is_refused_not_deadlocked(loop):
         name, message = result["nested"]
         assert name == "ContextError", result
         assert message.startswith("strategy.run() was called inside a run of this "), message
+        name, message = result["options"]
+        assert name == "InvalidArgumentError", result
+        assert message.startswith("run: options=CommunicationOptions("), message
         assert result["after"] < 3 and result["next"] == 2.0, result
 
 

@@ -285,6 +285,37 @@ async def test_args_must_be_list_or_tuple(two):
         await two.run(fn, args=5)
 
 
+async def test_run_options_other_than_none_are_refused_saying_where_options_go(two):
+    """run(options=...) took anything and ignored it: options=5 ran, and
+    CommunicationOptions(timeout_seconds=0.05) bounded nothing (a replica 0.5 s late
+    was waited for). TF's RunOptions holds TPU-only fields: only None is taken."""
+    late = []
+
+    async def step():
+        ctx = aiodist.get_replica_context()
+        if ctx.replica_id_in_sync_group == 1:
+            late.append(1)
+            await asyncio.sleep(0.5)
+        return await ctx.all_reduce("sum", 1.0)
+
+    with pytest.raises(
+        aiodist.InvalidArgumentError,
+        match=r"run: options=5 is not accepted: in TF it is a tf\.distribute\.RunOptions",
+    ):
+        await two.run(step, options=5)
+    quick = aiodist.CommunicationOptions(timeout_seconds=0.05)
+    with pytest.raises(aiodist.InvalidArgumentError) as caught:
+        await two.run(step, options=quick)
+    message = str(caught.value)
+    assert "does not apply CommunicationOptions to the collectives" in message
+    assert "ctx.all_reduce(..., options=...)" in message
+    assert "communication_options=" in message
+    assert late == []  # refused before any replica started
+    assert await two.extended.call_for_each_replica(lambda: 3) == 3  # usable after
+    result = await two.run(step, options=None)
+    assert two.experimental_local_results(result) == (2.0, 2.0)
+
+
 async def test_an_async_generator_function_is_refused_naming_it(two):
     """An async def with a yield in it gave each replica's unstarted async generator
     back as its "result"; it is refused, saying what to pass instead. So is a partial
