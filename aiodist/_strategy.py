@@ -370,6 +370,7 @@ class Strategy:
     _group_class = RunGroup  # what runs replicas (multi-worker: one that spans workers)
     _world: Any = None  # the workers of a multi-worker strategy (None: one process)
     _replica_offset = 0  # global id of this process's first replica
+    _one_device = False  # OneDeviceStrategy: its variables are written as plain ones
 
     def __init__(
         self,
@@ -924,7 +925,15 @@ class MirroredStrategy(Strategy):
 
 
 class OneDeviceStrategy(Strategy):
-    """One replica on one device: the same code path as several replicas."""
+    """One replica on one device: the same code path as several replicas.
+
+    Its variables have one copy, as TF's plain variables there: a variable made with
+    the default ``aggregation=NONE`` may be written in replica context too (the
+    write goes to that copy), where a ``MirroredStrategy``'s, even of one device,
+    raises (SPEC 9).
+    """
+
+    _one_device = True
 
     def __init__(self, device: str | Device):
         if not isinstance(device, str | Device):

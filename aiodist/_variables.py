@@ -17,7 +17,9 @@ Writing is a coroutine. In a replica function, ``await v.assign_add(x)`` on a
 mirrored variable is a rendezvous (a ``merge_call``): every replica's ``x`` is
 aggregated by ``v.aggregation`` and the same update is applied to every copy,
 so the copies never drift; ``aggregation=NONE`` there raises ``ValueError``, as
-TensorFlow documents. In cross-replica context the one value given is written
+TensorFlow documents (not under ``OneDeviceStrategy``, whose variables have one
+copy, as TF's plain variables there: the write goes to it, no rendezvous made).
+In cross-replica context the one value given is written
 to every copy, or each copy gets its own component of a ``Mirrored`` value (such
 as ``extended.reduce_to(..., destinations=v)`` returns); a ``PerReplica`` value
 is refused there, since the copies must stay equal (``extended.update`` writes
@@ -774,6 +776,9 @@ class MirroredVariable(Variable):
             self._write_every_copy(kind, value)
             return self
         if self._aggregation is VariableAggregation.NONE:
+            if self._strategy._one_device:
+                self._write_only_copy(kind, value)
+                return self
             raise InvalidArgumentError(
                 f"{self._name}.{kind}() in replica context needs an aggregation: this "
                 "mirrored variable was created with aggregation=NONE, so replicas' values "
@@ -800,6 +805,17 @@ class MirroredVariable(Variable):
         merge_fn._aiodist_key = (id(self), kind)  # type: ignore[attr-defined]
         await _context.get_replica_context().merge_call(merge_fn, args=(value,))
         return self
+
+    def _write_only_copy(self, kind: str, value: Any) -> None:
+        """A write in replica context of a ``OneDeviceStrategy``'s variable with
+        ``aggregation=NONE``: one replica, one copy, nothing to combine, so as TF
+        writes its plain variable there, the value is written to that copy, with
+        the checks of every write (``_replace_copies``). No rendezvous, and nothing
+        through the host: on a GPU the value is placed on the copy's device and the
+        update issued on the replica's stream (current here), before the replica's
+        later work, as a sync-on-read copy's update is."""
+        (part,) = _replica_values(self._strategy, value)  # (a distributed value's component)
+        self._replace_copies(kind, [part], self._write_name(kind))
 
     def _refuse_non_numbers(self, kind: str, parts: list, error: Exception) -> None:
         """``_refuse_non_numbers`` for a write in replica context, whose values

@@ -565,6 +565,32 @@ async def test_a_mirrored_variable_over_distinct_gpus_keeps_each_copy_on_its_gpu
         np.testing.assert_array_equal(copy.get(), [n - 1.0] * 3)
 
 
+async def test_a_one_device_variable_written_in_replica_context_stays_on_its_gpu():
+    """A OneDeviceStrategy variable with aggregation=NONE is written in replica
+    context (as TF's plain variable there): the value stays on the GPU, and the
+    update is issued on the replica's stream after the kernel that makes it, never
+    waited for on the loop (here ~0.5 s)."""
+    strategy = aiodist.OneDeviceStrategy("GPU:0")
+    with strategy.scope():
+        v = aiodist.Variable(np.zeros(1, np.float32))
+
+    def make_step(cycles):
+        async def step():
+            x = cupy.zeros(1, cupy.float32)
+            _slow_set(x, 7.0, cycles)  # on the replica's stream: x is 7 only later
+            await v.assign_add(x)
+            return v.read_value()
+
+        return step
+
+    await strategy.run(make_step(0))  # (compiles the kernel, unmeasured)
+    async with loop_lag() as lags:
+        result = await strategy.run(make_step(_cycles(0.5)))
+    assert max(lags) < 0.05, f"event loop blocked for {max(lags) * 1e3:.1f} ms"
+    assert isinstance(result, cupy.ndarray) and result.device.id == 0
+    assert float(result.get()[0]) == 14.0 and float(v.read_value().get()[0]) == 14.0
+
+
 async def test_a_mirrored_variable_update_in_replica_context_never_blocks_the_loop():
     """SPEC 7: the update is a rendezvous, and its aggregate is made on the GPU in
     stream order; it was copied to the host (get()), which waited on the loop for

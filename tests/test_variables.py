@@ -141,6 +141,68 @@ async def test_aggregation_none_in_replica_context_raises(two):
     assert copies(two, v) == [1.0, 1.0]
 
 
+async def test_a_one_device_mirrored_strategys_none_variable_still_refuses_replica_writes():
+    """SPEC 9 holds for MirroredStrategy of any device count, one included."""
+    one = aiodist.MirroredStrategy(["cpu:0"])
+    with one.scope():
+        v = aiodist.Variable(1.0)
+
+    async def step():
+        await v.assign_add(1.0)
+
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"needs an aggregation"):
+        await one.run(step)
+    assert float(v.read_value()) == 1.0
+
+
+@pytest.mark.parametrize("aggregation", ["NONE", "SUM", "MEAN", "ONLY_FIRST_REPLICA"])
+async def test_one_device_strategy_variables_are_written_in_replica_context(aggregation):
+    """A OneDeviceStrategy variable has one copy, as TF's plain variable there; one
+    made with the default aggregation=NONE raised "copies would drift apart" at
+    assign_add in replica context, where TF's works. Every aggregation writes."""
+    strategy = aiodist.OneDeviceStrategy("cpu:0")
+    with strategy.scope():
+        v = aiodist.Variable(np.float32(1.0), aggregation=aggregation)
+        steps = aiodist.Variable(np.int8(0), aggregation=aggregation)
+
+    async def step(x):
+        await v.assign_add(x)  # 1 + 3
+        await v.assign_sub(np.float64(0.5))  # (cast to the variable's dtype)
+        read = v.read_value()
+        await v.assign(read * 2)  # 7
+        await steps.assign_add(1)  # a Python int, in the variable's dtype
+        return v.read_value()
+
+    result = await strategy.run(step, args=(np.float32(3.0),))
+    assert result == 7.0 and result.dtype == np.float32
+    assert v.dtype == np.float32 and float(v.read_value()) == 7.0
+    assert steps.dtype == np.int8 and int(steps.read_value()) == 1
+    # The checks of every write still hold.
+    for value, refused in [
+        (np.ones(2, np.float32), r"\(2,\)\)? cannot (all )?be written to a variable of shape \(\)"),
+        ("x", r"<U1.*float32"),  # (worded by the aggregation's path)
+    ]:
+
+        async def bad(value=value):
+            await v.assign(value)
+
+        with pytest.raises(aiodist.InvalidArgumentError, match=refused):
+            await strategy.run(bad)
+
+    async def too_big():
+        await steps.assign_add(300)
+
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"300 does not fit int8"):
+        await strategy.run(too_big)
+
+    async def a_float():
+        await steps.assign(1.5)
+
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"float64 cannot be written.*int8"):
+        await strategy.run(a_float)
+    assert float(v.read_value()) == 7.0 and int(steps.read_value()) == 1
+
+
 async def test_cross_replica_writes_every_copy(strategy):
     with strategy.scope():
         v = aiodist.Variable(np.ones(2, dtype=np.float32))
