@@ -18,12 +18,26 @@ first read; when calling ``dataset_fn``, or opening what it returned, raises
 for one replica, what was opened for the others is closed before the error is
 raised.
 
+Passes: each ``async for`` (or ``for``) is a new pass that opens the source
+again (``iter``), from its first element, as a ``tf.data.Dataset`` is iterated
+once per epoch. A one-shot source, one that is its own iterator (``iter(x) is
+x``: a generator, a file, an async generator, any iterator; for
+``distribute_datasets_from_function``, what ``dataset_fn``, called once,
+returned), gives one pass: a second one raises ``InvalidArgumentError`` (it
+would get nothing, silently, or only what the first left), saying to pass a
+re-iterable (a list, an object whose ``__iter__`` makes a new iterator) or to
+distribute it again for each pass.
+
 Prefetching: ``async for`` starts one producer task per iteration that keeps at
 most ``InputOptions.experimental_per_replica_buffer_size`` elements fetched
 ahead of the consumer (a semaphore bounds it, so memory stays bounded). The
 producer holds no reference to the iterator, so leaving an ``async for`` early
 (``break``) drops the iterator, which cancels the producer and closes the
-source; ``aclose()`` or ``async with`` do the same explicitly. After
+source; ``aclose()`` or ``async with`` do the same explicitly. The elements
+fetched ahead are then dropped: with a re-iterable source nothing is lost (the
+next pass starts afresh), but a one-shot source has given them up for good, and
+is closed if it has ``close()`` (a generator; an iterator without it keeps only
+the elements nobody fetched). After
 ``aclose()`` the iteration is over, as an async generator's: batches fetched
 ahead are dropped, and every ``anext`` (one already waiting included) raises
 ``StopAsyncIteration``; an error the source raises while it is closed is raised
@@ -353,6 +367,15 @@ def _reads_async(iterable: Any, sync: bool) -> bool:
     plain ``for`` (``sync``)."""
     has_iter = getattr(type(iterable), "__iter__", None) is not None
     return hasattr(iterable, "__aiter__") and not (sync and has_iter)
+
+
+def _is_one_shot(iterable: Any, sync: bool) -> bool:
+    """Whether reading ``iterable`` (synchronously for a plain ``for``: ``sync``)
+    uses it up: it is its own iterator (``iter(x) is x``: a generator, a file, an
+    async generator), as the iterator protocol's ``__next__`` (``__anext__``)
+    says, looked up on the type, without opening it."""
+    method = "__anext__" if _reads_async(iterable, sync) else "__next__"
+    return getattr(type(iterable), method, None) is not None
 
 
 class _Source:
@@ -710,13 +733,7 @@ class DistributedIterator:
         if self._pipeline is not None:
             raise self._mixed("next()", "await anext() (an `async for`)")
         if self._sync_source is None:
-            source = self._dataset._open(sync=True)
-            if source.is_async:
-                raise InvalidArgumentError(
-                    f"{self._dataset._where}: the dataset is an async iterable, so iterate it "
-                    "with `async for`, not a plain `for`."
-                )
-            self._sync_source = source
+            self._sync_source = self._dataset._open(sync=True)
         try:
             return self._dataset._next_sync(self._sync_source)
         except StopIteration:
@@ -734,8 +751,11 @@ class DistributedDataset:
     return: iterate it with ``async for`` (prefetched) or ``for`` (sync sources).
 
     Each ``async for`` (each ``aiter()``) is a new pass that opens the source
-    again. An exception the source raises (or raises while being closed at its
-    end) reaches the ``async for`` as the same object; the pass has then failed,
+    again; over a one-shot source (a generator) only the first: a second raises
+    ``InvalidArgumentError`` (see the module docs, also for what ``break`` does
+    to the batches fetched ahead). An exception the source raises (or raises
+    while being closed at its end) reaches the ``async for`` as the same object;
+    the pass has then failed,
     and every later ``anext`` on that iterator raises that object again rather
     than ``StopAsyncIteration``, so a failed input is never taken for a complete
     one. ``aclose()`` (or ``async with``) ends a pass early and closes the source.
@@ -755,6 +775,8 @@ class DistributedDataset:
         self._where = where
         self._source_iterable = source_iterable
         self._per_replica_sources = per_replica_sources  # from_function: see _open
+        # The one-shot source (an iterator) that a pass has opened: no pass follows.
+        self._one_shot: Any = None
         self._slots: Sequence[ReplicaSlot] = strategy._slots
         mode = self._options.experimental_replication_mode
         if not per_replica_sources and mode is InputReplicationMode.PER_REPLICA:
@@ -779,11 +801,50 @@ class DistributedDataset:
     # -- reading ---------------------------------------------------------------------
 
     def _open(self, sync: bool = False) -> Any:
-        """The source(s) to read; ``sync`` for a plain ``for``. One source is
-        opened now; ``dataset_fn``'s are opened at the first read (``_Sources``)."""
+        """The source(s) of a new pass; ``sync`` for a plain ``for``. One source is
+        opened now; ``dataset_fn``'s are opened at the first read (``_Sources``).
+        A one-shot source gives one pass: a second one is refused (``_read_once``)."""
+        if self._one_shot is not None:
+            raise self._read_once()
+        iterables = self._source_iterable if self._per_replica_sources else [self._source_iterable]
         if self._per_replica_sources:
-            return _Sources(self._source_iterable, self._where, sync)
-        return _Source(self._source_iterable, self._where, sync)
+            source: Any = _Sources(iterables, self._where, sync)
+        else:
+            source = _Source(self._source_iterable, self._where, sync)
+        if sync and source.is_async:  # (before the pass counts: `async for` may follow)
+            raise InvalidArgumentError(
+                f"{self._where}: the dataset is an async iterable, so iterate it "
+                "with `async for`, not a plain `for`."
+            )
+        self._one_shot = next((i for i in iterables if _is_one_shot(i, sync)), None)
+        return source
+
+    def _read_once(self) -> InvalidArgumentError:
+        """A new pass over a one-shot source that an earlier pass read. It would
+        silently get nothing (an epoch loop trained one epoch), or, where the
+        earlier pass ended early, only the batches nobody had fetched yet."""
+        kind = type(self._one_shot).__name__
+        if self._per_replica_sources:
+            made, remedy = (
+                f"dataset_fn returned a {kind}",
+                "Make dataset_fn return a re-iterable (a list, or an object whose "
+                "__iter__ makes a new iterator), or call distribute_datasets_from_function "
+                "again for each pass",
+            )
+        else:
+            made, remedy = (
+                f"the dataset is a {kind}",
+                "Pass a re-iterable dataset (a list, or an object whose __iter__ makes a "
+                "new iterator, such as a class whose __iter__ is your generator), or call "
+                "experimental_distribute_dataset again for each pass",
+            )
+        return InvalidArgumentError(
+            f"{self._where}: a new pass over this distributed dataset, but {made}, a "
+            "one-shot iterator (iter() of it is itself) that an earlier pass already "
+            "read: this pass would get nothing, or only what the earlier one left "
+            "(one left early with break dropped what it had fetched ahead, and closed "
+            f"a generator). {remedy} (for example, once per epoch)."
+        )
 
     async def _next(self, source: Any, prefetching: bool = False) -> tuple[bool, Any]:
         """The next ``PerReplica`` batch. While a batch is in use the source may make

@@ -547,6 +547,12 @@ class Strategy:
         with ``async for`` (prefetched) or, for sync sources, ``for``; a nested
         batch comes out with a ``PerReplica`` at every leaf. As in TF,
         ``options.experimental_replication_mode=PER_REPLICA`` is refused here.
+
+        Each ``async for`` or ``for`` is a pass from the first batch, as over a
+        ``tf.data.Dataset``, where ``dataset`` is re-iterable (a list, an object
+        whose ``__iter__`` makes a new iterator). A one-shot ``dataset`` (a
+        generator, any iterator: ``iter(x) is x``) gives one pass: a second one
+        raises ``InvalidArgumentError``; call this again for each pass.
         """
         return DistributedDataset(self, dataset, options)
 
@@ -559,7 +565,9 @@ class Strategy:
         ``PER_REPLICA``: called once per replica. When a source runs out first, the
         replicas it feeds get empty batches until every source is exhausted.
         ``dataset_fn`` is a plain function (it may return an async iterable); an
-        ``async def`` one is refused with ``InvalidArgumentError``.
+        ``async def`` one is refused with ``InvalidArgumentError``. It is called
+        here, once: where it returns a one-shot iterator (a generator), the
+        result gives one pass, and a second raises ``InvalidArgumentError``.
         """
         return from_function(self, dataset_fn, options)
 

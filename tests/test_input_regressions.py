@@ -829,3 +829,77 @@ async def test_an_async_def_aiter_is_refused_and_its_coroutine_closed(two, how):
             async for _ in dataset:
                 pass
         gc.collect()
+
+
+class Epochs:
+    """A re-iterable dataset made from a generator: each pass calls it again."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __iter__(self):
+        return (np.full(2, i) for i in range(self.n))
+
+
+@pytest.mark.parametrize("how", ["async for", "for", "from_function", "async generator"])
+async def test_a_second_pass_over_a_one_shot_source_is_refused_not_empty(two, how):
+    # An epoch loop over a generator trained one epoch: every later pass gave no
+    # batch at all, silently.
+    def source():
+        yield from (np.full(2, i) for i in range(3))
+
+    async def async_source():
+        for i in range(3):
+            yield np.full(2, i)
+
+    async def one_pass(dataset) -> int:
+        if how == "for":
+            return sum(1 for _ in dataset)
+        return len([batch async for batch in dataset])
+
+    if how == "from_function":
+        dataset = two.distribute_datasets_from_function(lambda context: source())
+        kind, remedy = "dataset_fn returned a generator", "call distribute_datasets_from_function"
+    else:
+        made = async_source() if how == "async generator" else source()
+        dataset = two.experimental_distribute_dataset(made)
+        kind = f"the dataset is a {type(made).__name__}"
+        remedy = "call experimental_distribute_dataset again"
+    assert await one_pass(dataset) == (2 if how == "from_function" else 3)
+    for _ in range(2):  # every later pass, not just the first
+        with pytest.raises(aiodist.InvalidArgumentError) as caught:
+            await one_pass(dataset)
+        message = str(caught.value)
+        assert f"but {kind}, a one-shot iterator" in message, message
+        assert "a re-iterable" in message and remedy in message, message
+    # Re-iterables give every pass: a list, and an object whose __iter__ makes a
+    # new iterator (an iterable by index too).
+    for data in ([np.full(2, i) for i in range(3)], Epochs(3)):
+        dataset = two.experimental_distribute_dataset(data)
+        assert [await one_pass(dataset) for _ in range(3)] == [3, 3, 3]
+    dataset = two.distribute_datasets_from_function(lambda context: Epochs(4))
+    assert [await one_pass(dataset) for _ in range(3)] == [2, 2, 2]
+
+
+async def test_a_pass_left_early_over_a_one_shot_source_drops_its_prefetched_batches(two):
+    """What a break does to a one-shot source, as documented: the batches fetched
+    ahead are dropped with the pass and the generator is closed, so a new pass
+    is refused rather than starting after a gap."""
+    read = []
+
+    def source():
+        for i in range(8):
+            read.append(i)
+            yield np.full(2, i)
+
+    made = source()
+    options = aiodist.InputOptions(experimental_per_replica_buffer_size=3)
+    dataset = two.experimental_distribute_dataset(made, options)
+    async for _ in dataset:
+        await wait_until(lambda: len(read) == 4, "three batches fetched ahead")
+        break
+    await wait_until(lambda: made.gi_frame is None, "the generator closed")
+    assert read == [0, 1, 2, 3] and list(made) == []
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"one-shot iterator"):
+        async for _ in dataset:
+            pass
