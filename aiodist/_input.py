@@ -808,7 +808,8 @@ class DistributedDataset:
             raise self._read_once()
         iterables = self._source_iterable if self._per_replica_sources else [self._source_iterable]
         if self._per_replica_sources:
-            source: Any = _Sources(iterables, self._where, sync)
+            first = self._strategy._replica_offset
+            source: Any = _Sources(iterables, self._where, sync, first)
         else:
             source = _Source(self._source_iterable, self._where, sync)
         if sync and source.is_async:  # (before the pass counts: `async for` may follow)
@@ -854,11 +855,12 @@ class DistributedDataset:
         if isinstance(source, _Sources):
             more, shards = await source.next_shards(len(self._slots))
             detach = prefetching and not source.consecutive  # those are copies already
+            what: Any = source.structures_differ  # (elements, not replicas' results)
         else:
             more, element = await source.next()
             shards = _local_shards(self._strategy, element) if more else None
-            detach = prefetching
-        return (True, self._place(shards, detach)) if more else (False, None)
+            detach, what = prefetching, "yielded"
+        return (True, self._place(shards, detach, what)) if more else (False, None)
 
     def _next_sync(self, source: Any) -> Any:
         coro = self._next(source)
@@ -873,7 +875,7 @@ class DistributedDataset:
             raise StopIteration
         return value
 
-    def _place(self, shards: list, detach: bool) -> Any:
+    def _place(self, shards: list, detach: bool, what: Any) -> Any:
         to_device = self._options.experimental_fetch_to_device
         if to_device or detach:
             if self._slots[0].backend.needs_activation:
@@ -895,7 +897,7 @@ class DistributedDataset:
         # One shard is returned as it is. An object every shard shares (sources
         # yielding one batch, read by a plain `for`) is a PerReplica too, as in TF.
         devices = tuple(slot.device for slot in self._slots)
-        return regroup_wrapping_every_leaf(shards, devices, what="yielded")
+        return regroup_wrapping_every_leaf(shards, devices, what=what)
 
 
 def _placed_shard(shard: Any, slot: ReplicaSlot, to_device: bool, detach: bool) -> Any:
@@ -939,13 +941,53 @@ class _Sources:
     and the error is raised, as a source's own error is.
     """
 
-    def __init__(self, iterables: Sequence[Any], where: str, sync: bool):
+    def __init__(self, iterables: Sequence[Any], where: str, sync: bool, first_replica: int = 0):
         self._iterables, self._where, self._sync = iterables, where, sync
         self._sources: list[_Source] | None = None  # opened by the first next_shards
         self.is_async = any(_reads_async(iterable, sync) for iterable in iterables)
         # PER_WORKER: the replicas' shards are consecutive elements of one source,
         # copied as they are fetched (next_shards).
         self.consecutive = len(iterables) == 1
+        # The last step's elements, for structures_differ: the index (in its
+        # dataset) of the first, and how many each dataset gave (PER_WORKER: those
+        # the replicas took; PER_REPLICA: one), and which replicas' datasets had
+        # run out (PER_REPLICA).
+        self._start = self._count = 0
+        self._ran_out: list[int] = []
+        self._first_replica = first_replica  # (global ids name the replicas)
+
+    def structures_differ(self, path: str, described: list[str]) -> str:
+        """The message for one step's shards whose structures differ (at ``path``;
+        ``described``: each shard's, ``_describe``'s), through ``regroup``'s
+        ``what``: the shards are a dataset's elements, not what replicas returned."""
+        where = f" at {path}" if path else ""
+        first, api = self._first_replica, "distribute_datasets_from_function"
+        if self.consecutive:
+            start, count = self._start, self._count
+            seen = "; ".join(
+                f"element {start + i}: {text}"
+                if i < count
+                else f"replica {first + i}: an empty batch (the dataset ran out)"
+                for i, text in enumerate(described)
+            )
+            return (
+                f"{api}: dataset_fn's dataset yielded elements of different structures"
+                f"{where} ({seen}); with InputReplicationMode.PER_WORKER the local replicas "
+                "take consecutive elements of the one dataset as one step's batches, so "
+                "every element must have the same nesting of lists, tuples and dicts."
+            )
+        seen = "; ".join(
+            f"replica {first + i}'s: "
+            + ("an empty batch (its dataset ran out)" if i in self._ran_out else text)
+            for i, text in enumerate(described)
+        )
+        return (
+            f"{api}: the replicas' datasets yielded elements of different structures{where} "
+            f"at their element {self._start} ({seen}); with InputReplicationMode.PER_REPLICA "
+            "each replica takes one element of its own dataset (dataset_fn's, called with "
+            "its InputContext) per step, so every dataset's elements must have the same "
+            "nesting of lists, tuples and dicts."
+        )
 
     async def _open(self) -> list[_Source]:
         self._sources = []
@@ -968,6 +1010,7 @@ class _Sources:
         # iteration), and PER_WORKER raised "coroutine raised StopIteration".
         if len(sources) == 1:  # PER_WORKER: replicas take consecutive elements
             shards = []
+            self._start += self._count
             for replica in range(num_replicas):
                 more, element = await sources[0].next()
                 if not more:
@@ -976,8 +1019,10 @@ class _Sources:
                     raise _none_element(replica)
                 # Copied before the next element is made: the source may refill one buffer.
                 shards.append(_nest.map_structure(_copy_of_array, element))
+            self._count = len(shards)
         else:  # PER_REPLICA: one element from each replica's own source
             shards = []
+            self._start, self._count = self._start + self._count, 1
             for replica, source in enumerate(sources):
                 more, element = await source.next()
                 if more and element is None:
@@ -985,6 +1030,7 @@ class _Sources:
                 shards.append(element if more else None)
             if all(shard is None for shard in shards):
                 shards = []
+            self._ran_out = [i for i, shard in enumerate(shards) if shard is None]
         if not shards:
             return False, None
         if len(shards) == num_replicas and all(s is not None for s in shards):

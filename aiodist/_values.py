@@ -23,7 +23,7 @@ Devices given as strings (``PerReplica(values, ["cpu:0", "cpu:1"])``) are held a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import chain
 from operator import attrgetter
 from typing import Any
@@ -369,16 +369,24 @@ def _same_container(a: object, b: object) -> bool:
     return len(a) == len(b)
 
 
+# How a caller words "the values' structures differ", given the path where they
+# do and each value's structure described (_describe): for values that are not
+# plainly "replica i"'s, such as a dataset's consecutive elements (see _input).
+StructuresDiffer = Callable[[str, list[str]], str]
+
+
 def regroup(
     values: Sequence[object],
     devices: Sequence[Device] | None = None,
     *,
-    what: str = "returned",
+    what: str | StructuresDiffer = "returned",
     path: str = "",
 ) -> object:
     """Merge one structure per replica into one structure of ``PerReplica`` leaves.
 
-    Raises ``InvalidArgumentError`` naming the replicas when nestings differ.
+    Raises ``InvalidArgumentError`` naming the replicas when nestings differ
+    ("replicas {what} different structures"; or, where ``what`` is a function,
+    the message it makes).
     """
     first = values[0]
     # `first is values[-1]` settles the usual case (distinct per-replica results)
@@ -412,7 +420,7 @@ def regroup(
 
 
 def regroup_wrapping_every_leaf(
-    values: Sequence[object], devices: Sequence[Device], *, what: str
+    values: Sequence[object], devices: Sequence[Device], *, what: str | StructuresDiffer
 ) -> object:
     """``regroup``, with a ``PerReplica`` at every leaf, a leaf that is one object on
     every replica included (TF's ``always_wrap``): what a distributed dataset's
@@ -437,7 +445,9 @@ def _children_by_keys(mapping: dict, keys: list) -> list:
         return _nest.children(mapping)
 
 
-def _regroup_nested(values: Sequence[object], devices: Any, what: str, path: str) -> object:
+def _regroup_nested(
+    values: Sequence[object], devices: Any, what: str | StructuresDiffer, path: str
+) -> object:
     """``regroup`` of values some of which nest containers: all must nest alike.
 
     (Apart from regroup, whose flat cases run on every step: the comprehensions
@@ -449,6 +459,8 @@ def _regroup_nested(values: Sequence[object], devices: Any, what: str, path: str
     # (Containers compared only when all are: a leaf has no length to compare.)
     odd = nested and [i for i, value in enumerate(values) if not _same_container(first, value)]
     if not nested or odd:
+        if callable(what):
+            raise InvalidArgumentError(what(path, [_describe(v) for v in values]))
         shapes = "; ".join(f"replica {i}: {_describe(v)}" for i, v in enumerate(values))
         where = f" at {path}" if path else ""
         raise InvalidArgumentError(

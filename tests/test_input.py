@@ -429,6 +429,52 @@ async def test_from_function_per_replica(three):
     assert seen == [[2, 2, 2], [0, 2, 2], [0, 0, 2]]
 
 
+async def test_from_function_elements_of_different_structures_are_named_as_elements(three):
+    """The message read "replicas yielded different structures (replica 0: ...)",
+    naming no API, and under PER_WORKER its "replicas" were consecutive elements
+    of the one dataset."""
+    x = np.ones((1, 2))
+
+    def per_worker(context):  # elements 3, 4, 5 make the second step; 4 is odd
+        return [{"x": x}] * 4 + [{"y": x}, {"x": x}, {"x": x}]
+
+    dataset = three.distribute_datasets_from_function(per_worker)
+    with pytest.raises(aiodist.InvalidArgumentError) as caught:
+        async for _ in dataset:
+            pass
+    assert str(caught.value).startswith(
+        "distribute_datasets_from_function: dataset_fn's dataset yielded elements of "
+        "different structures (element 3: dict with keys 'x'; element 4: dict with keys "
+        "'y'; element 5: dict with keys 'x'); with InputReplicationMode.PER_WORKER the "
+        "local replicas take consecutive elements of the one dataset"
+    ), caught.value
+
+    def runs_out(context):  # the last step: two elements (odd), and an empty batch
+        return [(x, [x])] * 4 + [(x, (x,))]
+
+    with pytest.raises(aiodist.InvalidArgumentError) as caught:
+        list(three.distribute_datasets_from_function(runs_out))
+    message = str(caught.value)
+    assert (
+        " at [1] (element 3: list of 1; element 4: tuple of 1; replica 2: an empty batch "
+        "(the dataset ran out)); " in message
+    ), message
+
+    def per_replica(context):  # replica 2's dataset runs out first; 1's second is odd
+        rid = context.input_pipeline_id
+        return [[x], [x] if rid != 1 else {"x": x}][: 2 - (rid == 2)]
+
+    options = aiodist.InputOptions(experimental_replication_mode="PER_REPLICA")
+    with pytest.raises(aiodist.InvalidArgumentError) as caught:
+        list(three.distribute_datasets_from_function(per_replica, options))
+    assert str(caught.value).startswith(
+        "distribute_datasets_from_function: the replicas' datasets yielded elements of "
+        "different structures at their element 1 (replica 0's: list of 1; replica 1's: "
+        "dict with keys 'x'; replica 2's: an empty batch (its dataset ran out)); with "
+        "InputReplicationMode.PER_REPLICA each replica takes one element of its own dataset"
+    ), caught.value
+
+
 def test_input_context_batch_size():
     ctx = aiodist.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=4)
     assert ctx.get_per_replica_batch_size(64) == 16
