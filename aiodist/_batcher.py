@@ -171,15 +171,35 @@ def _joins_exactly(dtypes: set) -> bool:
     return len(kinds) == 1 and kinds <= {"U", "S"}
 
 
-def _fail(requests: Any, exc: BaseException) -> None:
-    """Answer every request still waiting with ``exc`` (one object for all)."""
+def _fail(requests: Any, exc: BaseException) -> int:
+    """Answer every request still waiting with ``exc`` (one object for all); how
+    many were."""
+    answered = 0
     for request in requests:
         if not request.future.done():
             request.future.set_exception(exc)
+            answered += 1
+    return answered
 
 
 class BatcherStats:
-    """Counters and recent latencies of a batcher (``batcher.stats()``)."""
+    """Counters and recent latencies of a batcher (``batcher.stats()``).
+
+    - ``requests``: requests answered with their rows;
+    - ``batches``, ``rows``: batches whose step ran to the end, and their rows
+      (``mean_batch_size`` is their ratio);
+    - ``rejected``: requests refused at once by ``submit`` (``Overloaded``);
+    - ``failed``: batches that failed (the step raised, or its output was
+      refused): each of their callers got the error;
+    - ``failed_requests``: requests answered with an error of their batch's step:
+      every waiting caller of a failed batch, and a request that failed alone in a
+      batch otherwise served (its rows were split across replicas whose outputs
+      have different dtypes). Requests withdrawn by their caller, or answered
+      ``NotServing`` (the batcher stopped), are in no counter.
+
+    ``latency_seconds``: p50, p90 and p99 of the latest answered requests' times
+    from ``submit`` to their rows.
+    """
 
     def __init__(
         self,
@@ -189,12 +209,14 @@ class BatcherStats:
         rejected: int,
         failed: int,
         latencies: list[float],
+        failed_requests: int = 0,
     ):
         self.requests = requests
         self.batches = batches
         self.rows = rows
         self.rejected = rejected
         self.failed = failed
+        self.failed_requests = failed_requests
         self.mean_batch_size = rows / batches if batches else 0.0
         ordered = sorted(latencies)
 
@@ -214,6 +236,7 @@ class BatcherStats:
             "mean_batch_size": self.mean_batch_size,
             "rejected": self.rejected,
             "failed": self.failed,
+            "failed_requests": self.failed_requests,
             "latency_ms": {k: v * 1e3 for k, v in self.latency_seconds.items()},
         }
 
@@ -287,6 +310,7 @@ class Batcher:
         self._running: set[asyncio.Task] = set()
         self._slots: asyncio.Semaphore | None = None
         self._requests = self._batches = self._rows = self._rejected = self._failed = 0
+        self._failed_requests = 0
         self._latencies: deque[float] = deque(maxlen=10_000)
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -549,6 +573,7 @@ class Batcher:
             self._rejected,
             self._failed,
             list(self._latencies),
+            self._failed_requests,
         )
 
     # -- batching ------------------------------------------------------------------------
@@ -628,7 +653,7 @@ class Batcher:
             # The batch failed (the step raised, a BaseException such as pytest.fail's
             # too, or its output was refused): every caller gets the one error.
             self._failed += 1
-            _fail(batch, error)
+            self._failed_requests += _fail(batch, error)
             return
         stopped = "the batcher stopped before this request's batch finished; retry elsewhere."
         _fail(batch, NotServing(stopped))
@@ -648,7 +673,9 @@ class Batcher:
                     try:
                         mine = outputs.rows(offset, size)
                     except InvalidArgumentError as exc:
+                        # (Its batch was served: counted with failed batches' callers.)
                         request.future.set_exception(exc)
+                        self._failed_requests += 1
                         offset += size
                         continue
                 else:
