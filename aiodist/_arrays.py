@@ -77,8 +77,10 @@ class _Raw(str):
 
 
 def structure_text(value: object, arrays: list, limit: int = 160) -> str:
-    """A short description of ``value``'s nesting with each leaf as ``leaf_text``."""
-    text = repr(_nest.pack_as(value, [_Raw(leaf_text(a)) for a in arrays]))
+    """A short description of ``value``'s nesting with each leaf as ``leaf_text``:
+    the same text in every process (``_nest.stable_repr``: a frozenset key's
+    members not in hash order), so workers' texts of one call read alike."""
+    text = _nest.stable_repr(_nest.pack_as(value, [_Raw(leaf_text(a)) for a in arrays]))
     if len(text) > limit:
         text = f"{text[: limit - 1]}… ({len(arrays)} values)"
     return text

@@ -18,7 +18,9 @@ structure.
 Workers (``MultiWorkerMirroredStrategy``) compare structures as text, made by
 ``stable_repr``: ``repr`` lists a frozenset's members in hash order, which for
 str and bytes differs between processes (``PYTHONHASHSEED``), so
-``{frozenset({"a", "b"}): x}`` would read differently on two workers.
+``{frozenset({"a", "b"}): x}`` would read differently on two workers. The
+structures that messages show are written by it too, so that two workers'
+lines of one mismatch can be compared.
 """
 
 from __future__ import annotations
@@ -285,11 +287,14 @@ def skeleton(value: object) -> object:
 
 
 def stable_repr(value: object) -> str:
-    """``repr(value)`` of a skeleton (or a key holding one), the same text in every
-    process: a frozenset's or set's members are listed in the order of their own
-    texts, not in their hash order, which for str and bytes members depends on
-    the process's hash seed. Tuples and lists are walked to reach them; any other
-    value is its ``repr``. (Workers compare these texts; see the module docstring.)"""
+    """``repr(value)`` of a skeleton (or a key holding one), or of a structure
+    (``_arrays.structure_text``'s, in messages), the same text in every process:
+    a frozenset's or set's members are listed in the order of their own texts,
+    not in their hash order, which for str and bytes members depends on the
+    process's hash seed. Tuples, lists, dicts (keys and values, in the dict's
+    order) and namedtuples are walked to reach them; any other value is its
+    ``repr``. (Workers compare these texts, and show them side by side when they
+    differ; see the module docstring.)"""
     kind = type(value)
     if kind is tuple:
         if len(value) == 1:
@@ -299,6 +304,12 @@ def stable_repr(value: object) -> str:
         return f"[{', '.join(map(stable_repr, value))}]"
     if (kind is frozenset or kind is set) and value:
         return f"{kind.__name__}({{{', '.join(sorted(map(stable_repr, value)))}}})"
+    if kind is dict:
+        items = (f"{stable_repr(k)}: {stable_repr(v)}" for k, v in value.items())
+        return f"{{{', '.join(items)}}}"
+    if _is_namedtuple(value):
+        fields = (f"{f}={stable_repr(v)}" for f, v in zip(kind._fields, value, strict=True))
+        return f"{kind.__name__}({', '.join(fields)})"
     return repr(value)
 
 

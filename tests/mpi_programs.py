@@ -1109,7 +1109,18 @@ async def _hash_seeds(strategy: aiodist.Strategy) -> dict:
         }
 
     result = strategy.experimental_local_results(await strategy.run(step))[0]
-    return {"seed": os.environ.get("PYTHONHASHSEED"), **result}
+
+    async def mismatch():  # the same structure, of another shape on worker 1
+        words = frozenset({"alpha", "beta", "gamma", "delta"})
+        value = {words: np.ones(2 + strategy.worker_index)}
+        return await aiodist.get_replica_context().all_reduce("sum", value)
+
+    try:
+        await strategy.run(mismatch)
+        refused = ""
+    except aiodist.CollectiveMismatchError as exc:
+        refused = str(exc)
+    return {"seed": os.environ.get("PYTHONHASHSEED"), **result, "mismatch": refused}
 
 
 async def _plain_variable(strategy: aiodist.Strategy) -> dict:

@@ -699,7 +699,9 @@ def test_structures_of_distributed_values_are_refused_across_workers():
 def test_structures_keyed_by_frozensets_of_str_agree_across_hash_seeds(loop):
     """Workers compare a collective's structure as text: a frozenset's repr lists
     str members in hash order, which differs between processes, and raised a
-    false CollectiveMismatchError for one structure."""
+    false CollectiveMismatchError for one structure. A real mismatch's message
+    showed each worker's structure in its own hash order (the same frozenset read
+    differently on the two lines): the lines use the stable text too."""
     seeds = [1, 2]  # (these two order frozenset({"alpha", ..., "delta"}) differently)
     rc, results, output, _ = _program(2, "hash_seeds", [1, 1], loop=loop, hash_seeds=seeds)
     assert rc == 0, output[-3000:]
@@ -709,6 +711,14 @@ def test_structures_keyed_by_frozensets_of_str_agree_across_hash_seeds(loop):
         assert result["reduced"] == [["alpha,beta,delta,gamma", [2.0, 2.0]], ["x", [2.0]]]
         assert result["nested"] == [[["a,b,c", 1], [2.0]], [["d", 2], [3.0]]]
         assert result["gathered"] == [["alpha,beta,delta,gamma", [1.0, 1.0]], ["x", [1.0, 1.0]]]
+        mismatch = result["mismatch"]
+        for worker, shape in ((0, 2), (1, 3)):
+            line = (
+                f"worker {worker} (replica {worker}): all_reduce(SUM, "
+                f"{{frozenset({{'alpha', 'beta', 'delta', 'gamma'}}): float64[{shape}]}})"
+            )
+            assert line in mismatch, mismatch
+    assert results[0]["mismatch"] == results[1]["mismatch"]
 
 
 def test_a_variable_made_outside_any_scope_is_reduced_as_its_value():
