@@ -68,6 +68,12 @@ def step_through(
             yielded = coro.send(send) if throw is None else coro.throw(throw)
         except StopIteration as stop:
             return stop.value
+        except BaseException:
+            # Not kept in this frame, which the traceback of what leaves it holds: an
+            # exception thrown in (a cancellation) that coro lets through would hold
+            # itself, a cycle left for the garbage collector per cancelled coroutine.
+            send = throw = yielded = None
+            raise
         finally:
             if deactivate is not None:
                 deactivate(token)

@@ -14,6 +14,7 @@ from functools import partial
 import numpy as np
 
 import aiodist
+from tests.conftest import wait_until
 
 
 async def test_runs_leave_no_cyclic_garbage(strategy):
@@ -182,3 +183,42 @@ def test_per_step_functions_make_no_closure_cells():
         f.__qualname__: f.__code__.co_cellvars for f in per_step if f.__code__.co_cellvars
     }
     assert with_cells == {}
+
+
+async def test_cancelled_stepped_coroutines_leave_no_cyclic_garbage(two):
+    """A cancellation thrown into a coroutine that aiodist steps by hand (_streams:
+    every replica on a GPU, an async merge_fn that suspended on Python 3.11) and let
+    through must not stay in the stepping frame, which its own traceback holds."""
+    from aiodist._streams import drive
+
+    async def slow_merge_fn(strategy):
+        await asyncio.sleep(3600)
+
+    async def merge_fn_suspended():
+        return await aiodist.get_replica_context().merge_call(slow_merge_fn)
+
+    async def cancelled_in_merge_fn():
+        task = asyncio.ensure_future(two.run(merge_fn_suspended))
+        await wait_until(lambda: two.statistics().rendezvous_in_flight, "merge_fn running")
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def cancelled_in_drive():  # with toy hooks, as a replica on a GPU
+        task = asyncio.ensure_future(drive(asyncio.sleep(3600), lambda: None, lambda _: None))
+        await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    for case in (cancelled_in_merge_fn, cancelled_in_drive):
+        for _ in range(5):  # warm-up: caches, first-use objects
+            await case()
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(20):
+                await case()
+            assert gc.collect() == 0, f"{case.__name__} left cyclic garbage"
+        finally:
+            gc.enable()
