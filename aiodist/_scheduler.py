@@ -1329,21 +1329,32 @@ class RunGroup:
         step: see _merge): its result for each replica. Every replica has arrived, so
         the rendezvous' own timeout no longer runs: ``timeout`` (timeout_seconds)
         bounds the merge_fn itself."""
-        scope = None
-        try:
-            if timeout is None:
-                result = await coro
-            else:  # expired() tells its own cancellation from any other
-                async with asyncio.timeout(timeout) as scope:
+        if timeout is None:
+            result = await coro
+        else:
+            scope = asyncio.timeout(timeout)
+            try:
+                async with scope:
                     result = await coro
-        except TimeoutError:
-            if scope is not None and scope.expired():
-                raise RendezvousTimeoutError(
-                    f"merge_call #{number}: merge_fn did not finish within {timeout:g} s "
-                    "(CommunicationOptions.timeout_seconds) and was cancelled; make it "
-                    "faster, or raise timeout_seconds."
-                ) from None
-            raise
+            except BaseException as exc:
+                # expired() tells the scope's own cancellation from any other. The
+                # scope is not kept in this frame once merge_fn has failed: it holds
+                # this task, which holds the error leaving here, whose traceback
+                # holds this frame: a cycle, left for the garbage collector, per
+                # merge_fn that failed or timed out.
+                expired = isinstance(exc, TimeoutError) and scope.expired()
+                scope = None
+                if not expired:
+                    raise
+            else:
+                return self._for_each_replica(result)
+            # Raised outside the handler, so the error does not hold the scope's
+            # TimeoutError as its __context__ (its traceback holds the scope too).
+            raise RendezvousTimeoutError(
+                f"merge_call #{number}: merge_fn did not finish within {timeout:g} s "
+                "(CommunicationOptions.timeout_seconds) and was cancelled; make it "
+                "faster, or raise timeout_seconds."
+            )
         return self._for_each_replica(result)
 
     def _untrack(self, task: asyncio.Task) -> None:

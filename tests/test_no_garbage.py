@@ -222,3 +222,40 @@ async def test_cancelled_stepped_coroutines_leave_no_cyclic_garbage(two):
             assert gc.collect() == 0, f"{case.__name__} left cyclic garbage"
         finally:
             gc.enable()
+
+
+async def test_async_merge_fn_failing_under_a_timeout_leaves_no_cyclic_garbage():
+    """With CommunicationOptions.timeout_seconds, an async merge_fn runs inside an
+    asyncio.timeout scope, which holds the merge_fn's task: neither the scope nor its
+    TimeoutError may stay reachable from the error the task ends with."""
+    timed = aiodist.MirroredStrategy(
+        ["cpu:0", "cpu:1"],
+        communication_options=aiodist.CommunicationOptions(timeout_seconds=0.001),
+    )
+
+    async def too_slow(strategy):
+        await asyncio.sleep(3600)
+
+    async def raises(strategy):
+        await asyncio.sleep(0)
+        raise KeyError("from an async merge_fn")
+
+    async def merge_fn_times_out():
+        return await aiodist.get_replica_context().merge_call(too_slow)
+
+    async def merge_fn_raises():
+        return await aiodist.get_replica_context().merge_call(raises)
+
+    for fn in (merge_fn_times_out, merge_fn_raises):
+        for _ in range(3):  # warm-up: caches, first-use objects
+            with contextlib.suppress(KeyError, aiodist.RendezvousTimeoutError):
+                await timed.run(fn)
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(10):
+                with contextlib.suppress(KeyError, aiodist.RendezvousTimeoutError):
+                    await timed.run(fn)
+            assert gc.collect() == 0, f"{fn.__name__} left cyclic garbage"
+        finally:
+            gc.enable()
