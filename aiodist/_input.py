@@ -481,8 +481,9 @@ class _Pipeline:
         # abandon() reports it (see take_close_error).
         self._close_error: Exception | None = None
         self._waiters: list[asyncio.Future] = []
-        loop = asyncio.get_running_loop()
-        self.task = loop.create_task(self._produce())
+        self.loop = loop = asyncio.get_running_loop()
+        # The producer, until it ends (see _produce).
+        self.task: asyncio.Task | None = loop.create_task(self._produce())
         producers = _producers_of(loop)
         producers.add(self.task)
         self.task.add_done_callback(producers.discard)
@@ -500,6 +501,12 @@ class _Pipeline:
             self._close_error = exc
             if self._abandoned:
                 self._report_close_error()
+        finally:
+            # Forgotten as it ends: a task ended by its cancellation (a pass stopped
+            # early) keeps that CancelledError, whose traceback holds this frame and
+            # so this pipeline; holding the task, it would make a cycle, left for the
+            # garbage collector, of every `break` out of an `async for`.
+            self.task = None
 
     async def _produce_batches(self) -> None:
         self._started = True
@@ -523,7 +530,7 @@ class _Pipeline:
                 except BaseException as exc:  # e.g. the source raised CancelledError itself
                     cancelled = isinstance(exc, asyncio.CancelledError)
                     outcome = "cancelled" if cancelled else f"raised {type(exc).__name__}"
-                    if not cancelled or not self.task.cancelling():
+                    if not cancelled or not asyncio.current_task().cancelling():
                         self._fail(exc)
                     raise
                 finally:
@@ -603,7 +610,7 @@ class _Pipeline:
         producing = not (self._finished or self._closing)
         self._ready.clear()
         self._push(("end", None))
-        if producing and self._started:
+        if producing and self._started and self.task is not None:
             self.task.cancel()
 
     def abandon(self) -> None:
@@ -623,7 +630,7 @@ class _Pipeline:
     def _report_close_error(self) -> None:
         error = self.take_close_error()
         if error is not None:
-            self.task.get_loop().call_exception_handler(
+            self.loop.call_exception_handler(
                 {
                     "message": "closing the source of a distributed dataset raised, after "
                     "the iteration over it had been dropped",
@@ -675,7 +682,8 @@ class DistributedIterator:
             await source.aclose()
         if self._pipeline is not None:
             self._pipeline.cancel()
-            await asyncio.gather(self._pipeline.task, return_exceptions=True)
+            if self._pipeline.task is not None:  # (None: it has ended)
+                await asyncio.gather(self._pipeline.task, return_exceptions=True)
             # Closing the source failed (now, or at its end or after an error), and
             # no consumer was given that error.
             error = self._pipeline.take_close_error()
@@ -692,13 +700,14 @@ class DistributedIterator:
         pipeline = self._pipeline
         if pipeline is None:
             return
-        loop = pipeline.task.get_loop()
+        loop = pipeline.loop
         if loop.is_closed():
             # A loop closed with the producer still pending (loop.close() without
             # cancelling its tasks) can schedule nothing more: asyncio itself reports
             # the pending task once it is freed; cancelling it here would raise
             # "Event loop is closed".
-            _producers_of(loop).discard(pipeline.task)
+            if pipeline.task is not None:
+                _producers_of(loop).discard(pipeline.task)
             return
         try:
             running = asyncio.get_running_loop()

@@ -259,3 +259,46 @@ async def test_async_merge_fn_failing_under_a_timeout_leaves_no_cyclic_garbage()
             assert gc.collect() == 0, f"{fn.__name__} left cyclic garbage"
         finally:
             gc.enable()
+
+
+async def test_passes_stopped_early_leave_no_cyclic_garbage(two):
+    """A pass over a distributed dataset ended early (a `break`, an iterator dropped,
+    aclose()) cancels its producer task; the pipeline must not keep that task, whose
+    CancelledError's traceback holds the pipeline."""
+    batches = [np.full((4, 2), float(i)) for i in range(10)]
+
+    def producers() -> list[asyncio.Task]:
+        return [t for t in asyncio.all_tasks() if "_Pipeline._produce" in repr(t.get_coro())]
+
+    async def broken_out_of():
+        async for _ in two.experimental_distribute_dataset(batches):
+            break
+
+    async def dropped():
+        iterator = aiter(two.experimental_distribute_dataset(batches))
+        await anext(iterator)
+        del iterator
+
+    async def closed():
+        iterator = aiter(two.experimental_distribute_dataset(batches))
+        await anext(iterator)
+        await iterator.aclose()
+
+    async def from_function():
+        dataset = two.distribute_datasets_from_function(lambda context: batches)
+        async for _ in dataset:
+            break
+
+    for case in (broken_out_of, dropped, closed, from_function):
+        for _ in range(5):  # warm-up: caches, first-use objects
+            await case()
+        await wait_until(lambda: not producers(), "the producers ended")
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(20):
+                await case()
+            await wait_until(lambda: not producers(), "the producers ended")
+            assert gc.collect() == 0, f"{case.__name__} left cyclic garbage"
+        finally:
+            gc.enable()
