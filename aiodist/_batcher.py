@@ -543,6 +543,12 @@ class Batcher:
                 self._queued_rows -= len(rows)
             future.cancel()
             raise
+        except BaseException:
+            # The batch failed. Its error, raised here, has a traceback holding this
+            # frame: holding the future that holds that error too would make a
+            # cycle, left for the garbage collector, of every caller of the batch.
+            future = request = None
+            raise
 
     def _not_accepting(self) -> NotServing:
         """Why ``submit`` is refused, as the error to raise."""
@@ -661,7 +667,13 @@ class Batcher:
     async def _serve(self, batch: list[_Request]) -> None:
         # (A failure is its callers', answered by _served.)
         rows = np.concatenate([request.rows for request in batch])
-        outputs = await self._run_batch(rows)
+        try:
+            outputs = await self._run_batch(rows)
+        except BaseException:
+            # _served sets the error on the callers' futures; its traceback holds this
+            # frame, which must not hold them too (a cycle per failed batch).
+            batch = None
+            raise
         self._batches += 1
         self._rows += len(rows)
         now = time.perf_counter()
@@ -674,7 +686,9 @@ class Batcher:
                         mine = outputs.rows(offset, size)
                     except InvalidArgumentError as exc:
                         # (Its batch was served: counted with failed batches' callers.)
-                        request.future.set_exception(exc)
+                        # Without the traceback of its raise here: it holds this
+                        # frame, which holds the future (a cycle per such request).
+                        request.future.set_exception(exc.with_traceback(None))
                         self._failed_requests += 1
                         offset += size
                         continue

@@ -1233,3 +1233,45 @@ async def test_a_full_queue_smaller_than_a_batch_runs_without_waiting(two):
     rows = np.ones((4, 4))
     np.testing.assert_array_equal(await asyncio.wait_for(batcher.submit(rows), 5), rows @ W)
     await batcher.stop()
+
+
+async def test_failed_requests_leave_no_cyclic_garbage(two):
+    """A server answering errors (a step that raises, a request refused after its
+    batch ran, a batcher stopping) must not make each failed caller a reference
+    cycle: the error's traceback holds the frames that raised it, which must not
+    hold the futures the error is set on."""
+
+    async def step(rows):
+        if (rows < 0).any():
+            raise ArithmeticError("negative input")
+        replica = aiodist.get_replica_context().replica_id_in_sync_group
+        return (rows * 2).astype(np.int32 if replica == 0 else np.uint32)
+
+    batcher = Batcher(two, step, max_batch_size=8, max_wait_seconds=0.001)
+    await batcher.start()
+
+    async def step_raises():
+        await asyncio.gather(
+            *(batcher.submit(np.full((1, 1), -1)) for _ in range(3)), return_exceptions=True
+        )
+
+    async def split_over_two_dtypes():  # two rows on replica 0, one on replica 1
+        _, split = await asyncio.gather(
+            batcher.submit(np.array([[1]])),
+            batcher.submit(np.array([[2], [3]])),
+            return_exceptions=True,
+        )
+        assert isinstance(split, aiodist.InvalidArgumentError)
+
+    for case in (step_raises, split_over_two_dtypes):
+        for _ in range(3):  # warm-up: caches, first-use objects
+            await case()
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(10):
+                await case()
+            assert gc.collect() == 0, f"{case.__name__} left cyclic garbage"
+        finally:
+            gc.enable()
+    await batcher.stop()
