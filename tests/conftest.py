@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import subprocess
 import sys
 import time
@@ -135,6 +136,36 @@ async def wait_until(predicate, what: str, max_iterations: int = 10_000) -> None
             return
         await asyncio.sleep(0)
     raise AssertionError(f"never reached: {what}")
+
+
+async def assert_no_cyclic_garbage(
+    case, *, warm_up: int = 5, repeats: int = 20, settled=None, errors: tuple = ()
+) -> None:
+    """Await ``case()`` ``warm_up`` times (caches, first-use objects), then ``repeats``
+    times with the garbage collector off: it must then find nothing to collect, so
+    reference counting freed every object those calls made. ``errors``: exceptions
+    ``case()`` raises on purpose, suppressed. ``settled``: awaited after the warm-up
+    and after the repeats (work the calls leave running, to let end first)."""
+
+    async def once() -> None:
+        with contextlib.suppress(*errors):
+            await case()
+
+    for _ in range(warm_up):
+        await once()
+    if settled is not None:
+        await settled()
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            await once()
+        if settled is not None:
+            await settled()
+        name = getattr(case, "__name__", None) or repr(case)
+        assert gc.collect() == 0, f"{name} left cyclic garbage"
+    finally:
+        gc.enable()
 
 
 @pytest.fixture(autouse=True)

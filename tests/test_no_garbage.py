@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 from functools import partial
 
 import numpy as np
 
 import aiodist
-from tests.conftest import wait_until
+from tests.conftest import assert_no_cyclic_garbage, wait_until
 
 
 async def test_runs_leave_no_cyclic_garbage(strategy):
@@ -49,16 +48,7 @@ async def test_runs_leave_no_cyclic_garbage(strategy):
         return await aiodist.get_replica_context().merge_call(merge_fn, args=(one,))
 
     for fn in (constant, reduce, merge, nested, merge_reaching_its_run):
-        for _ in range(20):  # warm-up: caches, first-use objects
-            await strategy.run(fn)
-        gc.collect()
-        gc.disable()
-        try:
-            for _ in range(200):
-                await strategy.run(fn)
-            assert gc.collect() == 0, f"{fn.__name__} runs left cyclic garbage"
-        finally:
-            gc.enable()
+        await assert_no_cyclic_garbage(partial(strategy.run, fn), warm_up=20, repeats=200)
 
 
 async def test_failed_runs_leave_no_cyclic_garbage(two):
@@ -136,16 +126,7 @@ async def test_failed_runs_leave_no_cyclic_garbage(two):
         )
     ]
     for case in (*cases, default_context):
-        for _ in range(5):  # warm-up: caches, first-use objects
-            await case()
-        gc.collect()
-        gc.disable()
-        try:
-            for _ in range(20):
-                await case()
-            assert gc.collect() == 0, f"{case} left cyclic garbage"
-        finally:
-            gc.enable()
+        await assert_no_cyclic_garbage(case)
 
 
 def test_per_step_functions_make_no_closure_cells():
@@ -212,16 +193,7 @@ async def test_cancelled_stepped_coroutines_leave_no_cyclic_garbage(two):
             await task
 
     for case in (cancelled_in_merge_fn, cancelled_in_drive):
-        for _ in range(5):  # warm-up: caches, first-use objects
-            await case()
-        gc.collect()
-        gc.disable()
-        try:
-            for _ in range(20):
-                await case()
-            assert gc.collect() == 0, f"{case.__name__} left cyclic garbage"
-        finally:
-            gc.enable()
+        await assert_no_cyclic_garbage(case)
 
 
 async def test_async_merge_fn_failing_under_a_timeout_leaves_no_cyclic_garbage():
@@ -247,18 +219,12 @@ async def test_async_merge_fn_failing_under_a_timeout_leaves_no_cyclic_garbage()
         return await aiodist.get_replica_context().merge_call(raises)
 
     for fn in (merge_fn_times_out, merge_fn_raises):
-        for _ in range(3):  # warm-up: caches, first-use objects
-            with contextlib.suppress(KeyError, aiodist.RendezvousTimeoutError):
-                await timed.run(fn)
-        gc.collect()
-        gc.disable()
-        try:
-            for _ in range(10):
-                with contextlib.suppress(KeyError, aiodist.RendezvousTimeoutError):
-                    await timed.run(fn)
-            assert gc.collect() == 0, f"{fn.__name__} left cyclic garbage"
-        finally:
-            gc.enable()
+        await assert_no_cyclic_garbage(
+            partial(timed.run, fn),
+            warm_up=3,
+            repeats=10,
+            errors=(KeyError, aiodist.RendezvousTimeoutError),
+        )
 
 
 async def test_passes_stopped_early_leave_no_cyclic_garbage(two):
@@ -289,16 +255,8 @@ async def test_passes_stopped_early_leave_no_cyclic_garbage(two):
         async for _ in dataset:
             break
 
-    for case in (broken_out_of, dropped, closed, from_function):
-        for _ in range(5):  # warm-up: caches, first-use objects
-            await case()
+    async def producers_ended():
         await wait_until(lambda: not producers(), "the producers ended")
-        gc.collect()
-        gc.disable()
-        try:
-            for _ in range(20):
-                await case()
-            await wait_until(lambda: not producers(), "the producers ended")
-            assert gc.collect() == 0, f"{case.__name__} left cyclic garbage"
-        finally:
-            gc.enable()
+
+    for case in (broken_out_of, dropped, closed, from_function):
+        await assert_no_cyclic_garbage(case, settled=producers_ended)

@@ -21,7 +21,7 @@ import pytest
 import aiodist
 from aiodist.serving import Batcher, BatcherStats, NotServing, Overloaded
 from examples.client import http
-from tests.conftest import cpu_devices, loop_lag, wait_until
+from tests.conftest import assert_no_cyclic_garbage, cpu_devices, loop_lag, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parent.parent
@@ -1264,14 +1264,5 @@ async def test_failed_requests_leave_no_cyclic_garbage(two):
         assert isinstance(split, aiodist.InvalidArgumentError)
 
     for case in (step_raises, split_over_two_dtypes):
-        for _ in range(3):  # warm-up: caches, first-use objects
-            await case()
-        gc.collect()
-        gc.disable()
-        try:
-            for _ in range(10):
-                await case()
-            assert gc.collect() == 0, f"{case.__name__} left cyclic garbage"
-        finally:
-            gc.enable()
+        await assert_no_cyclic_garbage(case, warm_up=3, repeats=10)
     await batcher.stop()
