@@ -230,7 +230,8 @@ async def assert_same_on_replicas(
     magnitude in ``batch``: a value that cancels to about zero (a centred sum, a
     gradient at the optimum) keeps rounding noise on the scale of the data, which
     no relative tolerance covers. With ``rtol`` given, ``atol`` defaults to 0
-    (``rtol=0``: exact). Returns the
+    (``rtol=0``: exact). Values that are not numbers (string labels, dates,
+    objects) compare exactly. Returns the
     reference answer; raises ``AssertionError`` naming the replica count that
     differs.
     """
@@ -283,24 +284,37 @@ async def assert_same_on_replicas(
                 "replica count."
             )
         for index, (got, want) in enumerate(zip(leaves, expected, strict=True)):
-            dtype = np.asarray(want).dtype
-            if np.shape(got) != np.shape(want):  # (assert_allclose would broadcast them)
+            got, want = np.asarray(got), np.asarray(want)
+            if got.shape != want.shape:  # (assert_allclose would broadcast them)
                 raise AssertionError(
-                    f"value {index} of the step's result has shape {np.shape(got)} on "
-                    f"{count} replicas but {np.shape(want)} on {reference_count}: its shape "
+                    f"value {index} of the step's result has shape {got.shape} on "
+                    f"{count} replicas but {want.shape} on {reference_count}: its shape "
                     "depends on the replica count."
                 )
+            differs = (
+                f"value {index} of the step's result on {count} replicas differs from "
+                f"{reference_count} replica(s)"
+            )
+            if not (_is_numeric(got.dtype) and _is_numeric(want.dtype)):
+                # Labels, dates, objects: no tolerance applies, and assert_allclose
+                # failed on them, equal or not ("The DType <class StrDType> could not
+                # be promoted by <class _PyFloatDType>").
+                np.testing.assert_array_equal(got, want, err_msg=differs)
+                continue
             np.testing.assert_allclose(
-                np.asarray(got),
-                np.asarray(want),
-                rtol=_default_rtol(dtype) if rtol is None else rtol,
-                atol=_default_atol(dtype, scale) if atol is None else atol,
-                err_msg=(
-                    f"value {index} of the step's result on {count} replicas differs from "
-                    f"{reference_count} replica(s)"
-                ),
+                got,
+                want,
+                rtol=_default_rtol(want.dtype) if rtol is None else rtol,
+                atol=_default_atol(want.dtype, scale) if atol is None else atol,
+                err_msg=differs,
             )
     return reference
+
+
+def _is_numeric(dtype: np.dtype) -> bool:
+    """Whether values of ``dtype`` compare within a tolerance (bools, ints, floats,
+    complex numbers); others (strings, dates, objects) compare exactly."""
+    return dtype.kind in "biufc"
 
 
 def _replica_counts(counts: Sequence) -> bool:

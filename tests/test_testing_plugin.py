@@ -423,3 +423,23 @@ async def test_values_that_cancel_to_zero_compare_absolutely_by_default():
         await assert_same_on_replicas(tiny_but_wrong, batch, combine="first")
     with pytest.raises(AssertionError, match=r"on \d replicas differs"):  # rtol=0: exact
         await assert_same_on_replicas(loss_sum, batch, combine="sum", rtol=0)
+
+
+async def test_values_that_are_not_numbers_compare_exactly():
+    """A step predicting string labels (or dates) failed inside assert_allclose,
+    equal or not: "The DType <class StrDType> could not be promoted by ..."."""
+    labels = np.array(["cat", "dog"])
+    batch = np.arange(12.0).reshape(6, 2)
+
+    async def predict(rows):
+        days = np.datetime64("2024-01-01") + rows[:, 0].astype("timedelta64[D]")
+        return {"label": labels[(rows[:, 0] % 4 > 1).astype(int)], "day": days}
+
+    answer = await assert_same_on_replicas(predict, batch)
+    assert list(answer["label"]) == ["cat", "dog"] * 3
+
+    async def leaky(rows):  # the label depends on the replica
+        return labels[np.full(len(rows), aiodist.get_replica_context().replica_id_in_sync_group)]
+
+    with pytest.raises(AssertionError, match=r"(?s)on 2 replicas differs.*dog \(ACTUAL\)"):
+        await assert_same_on_replicas(leaky, batch)
