@@ -51,6 +51,7 @@ import numpy as np
 import pytest
 
 from . import _nest
+from ._arrays import leaf_path
 from ._backends import backend_for, visible_gpu_count
 from ._checks import short_repr, whole_number
 from ._devices import Device
@@ -233,7 +234,7 @@ async def assert_same_on_replicas(
     (``rtol=0``: exact). Values that are not numbers (string labels, dates,
     objects) compare exactly. Returns the
     reference answer; raises ``AssertionError`` naming the replica count that
-    differs.
+    differs and the value (``value 1 (['score'])``: its path in a nested result).
     """
     if (
         isinstance(replicas, str | bytes)
@@ -285,14 +286,15 @@ async def assert_same_on_replicas(
             )
         for index, (got, want) in enumerate(zip(leaves, expected, strict=True)):
             got, want = np.asarray(got), np.asarray(want)
+            name = _value(reference, index)
             if got.shape != want.shape:  # (assert_allclose would broadcast them)
                 raise AssertionError(
-                    f"value {index} of the step's result has shape {got.shape} on "
+                    f"{name} of the step's result has shape {got.shape} on "
                     f"{count} replicas but {want.shape} on {reference_count}: its shape "
                     "depends on the replica count."
                 )
             differs = (
-                f"value {index} of the step's result on {count} replicas differs from "
+                f"{name} of the step's result on {count} replicas differs from "
                 f"{reference_count} replica(s)"
             )
             if not (_is_numeric(got.dtype) and _is_numeric(want.dtype)):
@@ -338,6 +340,14 @@ def _describe(value: Any) -> str:
     return f"{_nest.skeleton(value)!r} ({len(_nest.flatten(value))} values)"
 
 
+def _value(result: Any, index: int) -> str:
+    """Leaf ``index`` of a step's ``result``, for a message: ``value 0``, and its path
+    in a nested result (``value 1 (['score'])``), as the flattening order (sorted
+    dict keys) is not what the step wrote."""
+    path = leaf_path(result, index)[0]
+    return f"value {index} ({path})" if path else f"value {index}"
+
+
 def _magnitude(batch: Any) -> float:
     """The largest absolute value among the numbers of ``batch`` (0 if none)."""
     largest = 0.0
@@ -380,11 +390,11 @@ async def _combine(strategy: MirroredStrategy, result: Any, combine: str | Reduc
             for index, leaf in enumerate(part):
                 if np.ndim(leaf) == 0:
                     raise InvalidArgumentError(
-                        f"assert_same_on_replicas: value {index} of the step's result is a "
-                        f"scalar ({short_repr(leaf)} on replica {replica} of "
-                        f"{len(per_replica)}), which combine='concat' cannot join along "
-                        "axis 0; expected per-row outputs (arrays with one row per input "
-                        "row). For per-replica values use combine='sum' (or another reduce "
+                        f"assert_same_on_replicas: {_value(per_replica[replica], index)} of "
+                        f"the step's result is a scalar ({short_repr(leaf)} on replica "
+                        f"{replica} of {len(per_replica)}), which combine='concat' cannot "
+                        "join along axis 0; expected per-row outputs (arrays with one row per "
+                        "input row). For per-replica values use combine='sum' (or another reduce "
                         "op), or combine='first' for values the replicas agree on."
                     )
         joined = [

@@ -322,7 +322,8 @@ async def test_concat_of_a_scalar_result_names_the_value_and_the_combines_that_f
 
     with pytest.raises(
         aiodist.InvalidArgumentError,
-        match=r"value 0 of the step's result is a scalar \(np.float64\(66.0\) on replica 0 "
+        match=r"value 0 \(\['loss'\]\) of the step's result is a scalar \(np.float64\(66.0\) "
+        r"on replica 0 "
         r"of 1\), which combine='concat' cannot join.*combine='sum'.*combine='first'",
     ):
         await assert_same_on_replicas(losses, np.arange(12.0).reshape(6, 2))
@@ -443,3 +444,27 @@ async def test_values_that_are_not_numbers_compare_exactly():
 
     with pytest.raises(AssertionError, match=r"(?s)on 2 replicas differs.*dog \(ACTUAL\)"):
         await assert_same_on_replicas(leaky, batch)
+
+
+async def test_a_value_of_a_nested_result_is_named_by_its_path():
+    """Messages named a leaf by its place in the flattening order only ("value 3"),
+    which sorts dict keys: not the order the step wrote them in."""
+    batch = np.arange(12.0).reshape(6, 2)
+
+    async def predict(rows):
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        return {"score": rows[:, 1] + rid, "label": rows[:, 0] * 0, "aux": [rows, rows]}
+
+    with pytest.raises(
+        AssertionError, match=r"value 3 \(\['score'\]\) of the step's result on 2 replicas differs"
+    ):
+        await assert_same_on_replicas(predict, batch)
+
+    async def shapes(rows):
+        n = aiodist.get_replica_context().num_replicas_in_sync
+        return {"loss": np.float64(n > 0), "rows": [rows[:1], rows[: 1 if n > 1 else 2]]}
+
+    with pytest.raises(
+        AssertionError, match=r"value 2 \(\['rows'\]\[1\]\) of the step's result has shape"
+    ):
+        await assert_same_on_replicas(shapes, batch, combine="first")
