@@ -235,6 +235,8 @@ async def assert_same_on_replicas(
     objects) compare exactly. Returns the
     reference answer; raises ``AssertionError`` naming the replica count that
     differs and the value (``value 1 (['score'])``: its path in a nested result).
+    An exception the step raises propagates unchanged, with a note naming the
+    replica count and the rows each replica got.
     """
     if (
         isinstance(replicas, str | bytes)
@@ -269,10 +271,15 @@ async def assert_same_on_replicas(
     scale = _magnitude(batch) if atol is None and rtol is None else 0.0
     for count in replicas:
         strategy = cpu_strategy(count)
-        inputs = regroup(
-            split_batch(batch, count, "assert_same_on_replicas: batch"), strategy._devices
-        )
-        result = await strategy.run(step_fn, args=(inputs,))
+        shards = split_batch(batch, count, "assert_same_on_replicas: batch")
+        try:
+            result = await strategy.run(step_fn, args=(regroup(shards, strategy._devices),))
+        except Exception as exc:
+            # The step's own error, unchanged, but for which run raised it: a step
+            # that fails on 4 replicas only (a shard of zero rows, where the batch
+            # has fewer rows than replicas) said nothing of replicas at all.
+            _note_run(exc, count, shards)
+            raise
         answer = await _combine(strategy, result, combine)
         if reference is None:
             reference, reference_count = answer, count
@@ -317,6 +324,18 @@ def _is_numeric(dtype: np.dtype) -> bool:
     """Whether values of ``dtype`` compare within a tolerance (bools, ints, floats,
     complex numbers); others (strings, dates, objects) compare exactly."""
     return dtype.kind in "biufc"
+
+
+def _note_run(exc: BaseException, count: int, shards: list) -> None:
+    """Note on ``exc`` that it came from the run on ``count`` replicas, with the rows
+    each got (once: a step may raise one exception object again and again)."""
+    rows = ", ".join(str(len(_nest.flatten(shard)[0])) for shard in shards)
+    note = (
+        f"(raised by assert_same_on_replicas running the step on {count} replica(s); "
+        f"rows of the batch per replica: {rows})"
+    )
+    if note not in getattr(exc, "__notes__", ()):
+        exc.add_note(note)
 
 
 def _replica_counts(counts: Sequence) -> bool:

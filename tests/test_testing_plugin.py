@@ -468,3 +468,26 @@ async def test_a_value_of_a_nested_result_is_named_by_its_path():
         AssertionError, match=r"value 2 \(\['rows'\]\[1\]\) of the step's result has shape"
     ):
         await assert_same_on_replicas(shapes, batch, combine="first")
+
+
+async def test_an_error_in_the_step_says_which_run_raised_it():
+    """A step failing on an empty shard (3 rows on 4 replicas) raised NumPy's
+    IndexError alone: nothing said the helper had run it on 4 replicas, one with
+    no rows."""
+    failure = IndexError("the step's own")
+
+    async def first_row(rows):
+        if len(rows) == 0:
+            raise failure
+        return rows[0] * 2
+
+    with pytest.raises(IndexError) as caught:
+        await assert_same_on_replicas(first_row, np.arange(6.0).reshape(3, 2), combine="first")
+    assert caught.value is failure
+    assert failure.__notes__ == [
+        "(raised by assert_same_on_replicas running the step on 4 replica(s); rows of the "
+        "batch per replica: 1, 1, 1, 0)"
+    ]
+    with pytest.raises(IndexError):  # the same object again: one note, not two
+        await assert_same_on_replicas(first_row, np.arange(6.0).reshape(3, 2), replicas=(4,))
+    assert len(failure.__notes__) == 1
