@@ -103,11 +103,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     marker = _closest_counts(metafunc.definition)
     if marker is None:
         return
-    counts = marker.args
-    if not _replica_counts(counts):
+    counts = _replica_counts(marker.args)
+    if counts is None:
         raise pytest.UsageError(
-            f"{metafunc.definition.nodeid}: @pytest.mark.aiodist_replicas{counts!r}; expected "
-            "one or more replica counts >= 1, e.g. @pytest.mark.aiodist_replicas(1, 2, 4)."
+            f"{metafunc.definition.nodeid}: @pytest.mark.aiodist_replicas{marker.args!r}; "
+            "expected one or more replica counts >= 1, e.g. "
+            "@pytest.mark.aiodist_replicas(1, 2, 4)."
         )
     metafunc.parametrize(
         "aiodist_replicas", counts, indirect=True, ids=[f"{n}replicas" for n in counts]
@@ -161,11 +162,8 @@ def aiodist_replicas(request: pytest.FixtureRequest) -> int:
     # An indirect parametrize's value, unchecked by the marker's checks: int() made
     # 2.5 two replicas, True one, and "3" three, so the test ran, and passed, on a
     # count it did not ask for. A whole number (a NumPy one too) of at least 1.
-    try:
-        number = None if isinstance(count, bool) else operator.index(count)
-    except TypeError:
-        number = None
-    if number is None or number < 1:
+    number = _count(count)
+    if number is None:
         raise InvalidArgumentError(
             f"{request.node.nodeid}: aiodist_replicas={count!r}; expected a replica count, "
             "a whole number >= 1, e.g. @pytest.mark.parametrize('aiodist_replicas', [1, 2, 4])."
@@ -238,11 +236,12 @@ async def assert_same_on_replicas(
     An exception the step raises propagates unchanged, with a note naming the
     replica count and the rows each replica got.
     """
-    if (
-        isinstance(replicas, str | bytes)
-        or not isinstance(replicas, Sequence)
-        or not _replica_counts(replicas)
-    ):
+    counts = (
+        None
+        if isinstance(replicas, str | bytes) or not isinstance(replicas, Sequence)
+        else _replica_counts(replicas)
+    )
+    if counts is None:
         raise InvalidArgumentError(
             f"assert_same_on_replicas: replicas={replicas!r}; expected a sequence of one or "
             "more replica counts >= 1, e.g. replicas=(1, 2, 4)."
@@ -269,7 +268,7 @@ async def assert_same_on_replicas(
             )
     reference, reference_count = None, None
     scale = _magnitude(batch) if atol is None and rtol is None else 0.0
-    for count in replicas:
+    for count in counts:
         strategy = cpu_strategy(count)
         shards = split_batch(batch, count, "assert_same_on_replicas: batch")
         try:
@@ -338,12 +337,24 @@ def _note_run(exc: BaseException, count: int, shards: list) -> None:
         exc.add_note(note)
 
 
-def _replica_counts(counts: Sequence) -> bool:
-    """Whether ``counts`` (the marker's, or assert_same_on_replicas' replicas) is one or
-    more ints (not bools) of at least 1."""
-    return bool(counts) and all(
-        isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in counts
-    )
+def _count(value: Any) -> int | None:
+    """``value`` as a replica count, an int: a whole number of at least 1 (a NumPy
+    one too, as from ``np.arange``; not a bool), else None."""
+    if isinstance(value, bool | np.bool_):
+        return None
+    try:
+        number = operator.index(value)
+    except TypeError:
+        return None
+    return number if number >= 1 else None
+
+
+def _replica_counts(counts: Sequence) -> tuple[int, ...] | None:
+    """``counts`` (the marker's, or assert_same_on_replicas' replicas) as ints, if it
+    is one or more replica counts (see ``_count``); else None. (NumPy's ints were
+    refused as "expected ... replica counts >= 1", which they are.)"""
+    numbers = tuple(_count(n) for n in counts)
+    return numbers if numbers and None not in numbers else None
 
 
 def _is_reduce_op(combine: Any) -> bool:

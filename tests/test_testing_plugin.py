@@ -214,6 +214,39 @@ def test_bad_marker_is_a_usage_error(pytester):
     result.stdout.fnmatch_lines(["*aiodist_replicas(0,); expected one or more replica counts*"])
 
 
+def test_numpy_counts_are_replica_counts_in_the_marker_and_the_helper(pytester):
+    # Refused, as "@pytest.mark.aiodist_replicas(np.int64(1), np.int64(2)); expected
+    # one or more replica counts >= 1": the parameter took them, as the docs say.
+    result = run(
+        pytester,
+        """
+        import numpy as np
+        import pytest
+        from aiodist.testing import assert_same_on_replicas
+
+        @pytest.mark.aiodist_replicas(*np.arange(1, 3))
+        async def test_counts(aiodist_strategy, aiodist_replicas):
+            assert type(aiodist_replicas) is int
+            assert aiodist_strategy.num_replicas_in_sync == aiodist_replicas
+
+        @pytest.mark.aiodist_replicas(np.True_)
+        def test_bool(aiodist_strategy):
+            pass
+        """,
+    )
+    assert result.ret != 0
+    result.stdout.fnmatch_lines(["*test_bool: @pytest.mark.aiodist_replicas(np.True_,); expected*"])
+    result.stdout.no_fnmatch_line("*test_counts: @pytest.mark*")
+
+
+async def test_the_helper_takes_numpy_counts():
+    async def predict(rows):
+        return rows * 2.0
+
+    answer = await assert_same_on_replicas(predict, np.ones((4, 2)), replicas=(np.int64(1), 3))
+    np.testing.assert_array_equal(answer, np.full((4, 2), 2.0))
+
+
 def test_an_indirect_parametrize_with_a_bad_count_is_refused_not_rounded(pytester):
     # int() made 2.5 two replicas, True one and "3" three: the tests ran, and passed,
     # on counts they did not ask for.
@@ -296,7 +329,10 @@ _TOLERANCES = (-1e-6, math.nan, math.inf, True, "1e-6", [1e-6])
         ("combine", v, _COMBINE_EXPECTED)
         for v in ("concatenate", "First", "avg", None, np.array(["concat", "first"]))
     ]
-    + [("replicas", v, _REPLICAS_EXPECTED) for v in ((), (0, 2), (1, 2.0), (True,), 4, "12")]
+    + [
+        ("replicas", v, _REPLICAS_EXPECTED)
+        for v in ((), (0, 2), (1, 2.0), (True,), (np.True_,), (np.int64(0),), 4, "12")
+    ]
     + [(k, v, _TOLERANCE_EXPECTED) for k in ("rtol", "atol") for v in _TOLERANCES],
 )
 async def test_assert_same_on_replicas_names_what_combine_and_replicas_take(
