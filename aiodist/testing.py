@@ -225,7 +225,7 @@ async def assert_same_on_replicas(
     Results may be nested structures of arrays. ``rtol`` defaults to what the
     result's dtype can resolve after a change of summation order (1e-2 for
     float16, 1e-5 for float32, 1e-9 for float64, exact for integers), and ``atol``
-    to ten times the dtype's resolution (1e-14 for float64) times the largest
+    to ten times the dtype's resolution (1e-14 for float64) times the largest finite
     magnitude in ``batch``: a value that cancels to about zero (a centred sum, a
     gradient at the optimum) keeps rounding noise on the scale of the data, which
     no relative tolerance covers. With ``rtol`` given, ``atol`` defaults to 0
@@ -379,13 +379,22 @@ def _value(result: Any, index: int) -> str:
 
 
 def _magnitude(batch: Any) -> float:
-    """The largest absolute value among the numbers of ``batch`` (0 if none)."""
+    """The largest absolute value among the finite numbers of ``batch`` (0 if none).
+
+    NaN and infinity (missing data, a masked entry) say nothing of the data's
+    scale: one of them made the whole batch's 0, and so the default atol 0. Integers
+    are taken as floats first (np.abs(int8(-128)) is -128)."""
     largest = 0.0
     for leaf in _nest.flatten(batch):
         array = np.asarray(leaf)
-        if array.size and array.dtype.kind in "biufc":
-            largest = max(largest, float(np.max(np.abs(array))))
-    return largest if math.isfinite(largest) else 0.0
+        if array.dtype.kind not in "biufc":
+            continue
+        if array.dtype.kind in "biu":
+            array = array.astype(np.float64)
+        finite = np.abs(array[np.isfinite(array)])
+        if finite.size:
+            largest = max(largest, float(finite.max()))
+    return largest
 
 
 def _noise(dtype: np.dtype) -> float:

@@ -527,3 +527,23 @@ async def test_an_error_in_the_step_says_which_run_raised_it():
     with pytest.raises(IndexError):  # the same object again: one note, not two
         await assert_same_on_replicas(first_row, np.arange(6.0).reshape(3, 2), replicas=(4,))
     assert len(failure.__notes__) == 1
+
+
+async def test_a_nan_in_the_batch_keeps_the_default_atol_on_the_datas_scale():
+    """One NaN (missing data, in a column the step skips) made the batch's largest
+    magnitude NaN, read as 0: atol 0, and rounding noise around zero failed a step
+    that is right."""
+    batch = np.random.default_rng(1).standard_normal((8, 3)) * 1000
+    batch -= batch.mean(axis=0)
+    batch[0, 0] = np.nan
+
+    async def centred_sums(rows):  # about 1e-13 either side of 0, by shard
+        return np.nansum(rows[:, 1:], axis=0)
+
+    for replicas in ((1, 2), (1, 4)):
+        await assert_same_on_replicas(centred_sums, batch, combine="sum", replicas=replicas)
+    with pytest.raises(AssertionError, match=r"on \d replicas differs"):  # atol=0: it is noise
+        for replicas in ((1, 2), (1, 4)):
+            await assert_same_on_replicas(
+                centred_sums, batch, combine="sum", replicas=replicas, atol=0
+            )
