@@ -31,6 +31,27 @@ def pytest_asyncio_loop_factories(config, item):
     return {"asyncio": asyncio.new_event_loop, "uvloop": _uvloop_factory}
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On uvloop, pytest-timeout's default method (a SIGALRM handler raising in the
+    main thread) cannot stop a hung test: uvloop runs the handler as a loop callback
+    and only logs what it raises, so the test, and CI, hung for ever. Those tests use
+    its "thread" method: past the timeout it prints every thread's stack and ends
+    the run (exit code 1). Tests on asyncio keep the signal method, which fails the
+    one test and goes on. (Each test's own timeout, or the ini's, is kept.)"""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or callspec.params.get("_asyncio_loop_factory") is not _uvloop_factory:
+            continue
+        own = item.get_closest_marker("timeout")
+        seconds = own.kwargs.get("timeout", own.args[0] if own.args else None) if own else None
+        if seconds is None:  # --timeout, else the ini's
+            given = config.getoption("timeout", None)
+            seconds = float(given if given is not None else config.getini("timeout") or 0) or None
+        if seconds is not None:
+            item.add_marker(pytest.mark.timeout(seconds, method="thread"), append=False)
+
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
