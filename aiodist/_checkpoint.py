@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _context
+from ._checks import file_to_write
 from ._errors import ContextError, InvalidArgumentError
 from ._variables import Variable
 
@@ -146,18 +147,9 @@ async def save_variables(
     _require_outside_replicas("save_variables")
     named = _by_name(variables, "save_variables")
     target = Path(path)
-    if not target.parent.is_dir():
-        raise InvalidArgumentError(
-            f"save_variables: cannot write {str(path)!r}: the folder "
-            f"{str(target.parent)!r} does not exist; create it first."
-        )
-    if target.is_dir():
-        # The rename over it failed only after the whole file was written, naming the
-        # temporary file ("Is a directory: '.ckpt.1f2e….tmp' -> 'ckpt'").
-        raise InvalidArgumentError(
-            f"save_variables: cannot write {str(path)!r}: it is a folder; give the path "
-            f"of a file in it, e.g. {str(target / 'checkpoint.npz')!r}."
-        )
+    # (A folder given: the rename over it failed only after the whole file was
+    # written, naming the temporary file: "Is a directory: '.ckpt.1f2e….tmp' -> 'ckpt'".)
+    file_to_write(target, f"save_variables: cannot write {str(path)!r}", "checkpoint.npz")
     snapshot = {name: np.array(v._saved_value(), copy=True) for name, v in named.items()}
     writing = _Writing()
     try:

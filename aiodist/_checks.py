@@ -8,6 +8,7 @@ import inspect
 import math
 import numbers
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -121,3 +122,23 @@ def options_or_default(kind: type[_T], value: Any, name: str = "options") -> _T:
     if not isinstance(value, kind):
         raise InvalidArgumentError(f"{name}={value!r}; expected aiodist.{kind.__name__} or None.")
     return value
+
+
+def file_to_write(path: Path, where: str, example: str) -> None:
+    """Raise ``InvalidArgumentError``, its message starting with ``where`` (e.g.
+    "save_variables: cannot write 'x.npz'"), unless ``path`` names a file in an
+    existing folder: checked before the work whose result would be written (a
+    training run's checkpoint, a trace), which a write that cannot succeed would
+    lose. ``example``: a file name to suggest inside ``path`` when it is a folder."""
+    if not path.parent.is_dir():
+        if path.parent.exists():
+            raise InvalidArgumentError(
+                f"{where}: {str(path.parent)!r} is a file, not a folder; name a file in a folder."
+            )
+        raise InvalidArgumentError(
+            f"{where}: the folder {str(path.parent)!r} does not exist; create it first."
+        )
+    if path.is_dir():  # (a folder, or "": the current one)
+        raise InvalidArgumentError(
+            f"{where}: it is a folder; name a file to write, e.g. {str(path / example)!r}."
+        )

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ._checks import file_to_write
 from ._errors import ContextError, InvalidArgumentError
 
 __all__ = [
@@ -313,19 +314,7 @@ def _check_writable(path: Path) -> None:
     trace would then be lost to a write that cannot succeed."""
     where = f"aiodist.trace: cannot write {str(path)!r}"
     try:
-        if not path.parent.is_dir():
-            if path.parent.exists():
-                raise InvalidArgumentError(
-                    f"{where}: {str(path.parent)!r} is a file, not a folder; name a file "
-                    "in a folder."
-                )
-            raise InvalidArgumentError(
-                f"{where}: the folder {str(path.parent)!r} does not exist; create it first."
-            )
-        if path.is_dir():  # (a folder, or "": the current one)
-            raise InvalidArgumentError(
-                f"{where}: it is a folder; name a file to write, e.g. {str(path / 'trace.json')!r}."
-            )
+        file_to_write(path, where, "trace.json")
         # The folder exists, but the file may still not be writable there (a folder
         # without write permission, a file system that takes no new files, a link to
         # a missing folder): open it as the write will, in append mode so that an
