@@ -189,6 +189,15 @@ async def assert_no_cyclic_garbage(
         gc.enable()
 
 
+def assert_usage_error(main, argv: list[str], shown: str, capsys) -> None:
+    """``main(argv)`` (a command line's entry point) ends as argparse ends a bad
+    command line: exit code 2, ``shown`` in what it printed to stderr."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert shown in capsys.readouterr().err
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_state():
     """Every test starts and ends outside any strategy scope."""

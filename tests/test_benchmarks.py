@@ -25,6 +25,7 @@ from benchmarks.__main__ import (
     _x_floor,
     main,
 )
+from tests.conftest import assert_usage_error
 
 
 @pytest.mark.parametrize(
@@ -43,10 +44,7 @@ from benchmarks.__main__ import (
     ],
 )
 def test_bad_arguments_are_refused_by_name(argv, shown, capsys):
-    with pytest.raises(SystemExit) as exited:
-        main(argv)
-    assert exited.value.code == 2
-    assert shown in capsys.readouterr().err
+    assert_usage_error(main, argv, shown, capsys)
 
 
 @pytest.mark.parametrize(
@@ -62,10 +60,7 @@ def test_the_tensorflow_side_refuses_bad_arguments_by_name(argv, shown, capsys):
     # Parsed before TensorFlow is imported: checkable without it.
     from benchmarks import tf_workloads
 
-    with pytest.raises(SystemExit) as exited:
-        tf_workloads.main(argv)
-    assert exited.value.code == 2
-    assert shown in capsys.readouterr().err
+    assert_usage_error(tf_workloads.main, argv, shown, capsys)
 
 
 def test_the_tensorflow_side_gets_the_same_repeats(tmp_path):
