@@ -904,8 +904,8 @@ class World:
         waiter = asyncio.wrap_future(future, loop=loop)
         started = loop.time()
         deadline = math.inf if timeout is None else started + timeout
-        # Stall reports (SPEC 11): after stall_warning_seconds, then at doubling
-        # intervals, as the local watchdog's; they never fail the call.
+        # Stall reports (SPEC 11): one, after stall_warning_seconds, as the local
+        # watchdog's; it never fails the call.
         warn_after = self.stall_warning_seconds
         try:
             while not waiter.done() and loop.time() < deadline:
@@ -913,7 +913,7 @@ class World:
                 await _until(loop, waiter, min(deadline, report))
                 if not waiter.done() and loop.time() >= report:
                     _stall.logger.warning(self._stall_report(what, loop.time() - started, missing))
-                    warn_after *= 2
+                    warn_after = None  # reported: once per wait
         except asyncio.CancelledError:
             if cancelled is not None:
                 cancelled(what)

@@ -34,7 +34,7 @@ class CommunicationOptions:
             warning (logger ``aiodist``) naming them and where each is waiting
             (or, once every replica has arrived at a merge_call whose async
             merge_fn has not finished, naming it and where it is waiting);
-            repeated at doubling intervals; None disables it.
+            once per stall, however long it lasts; None disables it.
 
     Per-call options override the strategy's ``communication_options`` field by
     field: a field left at its default does not override.

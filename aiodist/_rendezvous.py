@@ -421,7 +421,8 @@ class Rendezvous:
             call.timer = loop.call_later(timeout, self._time_out, call)
         if stall_after is not None:
             due = now - call.started + stall_after  # as next_warning counts: from the start
-            if call.stall_after is None or due < call.next_warning:
+            # (next_warning is inf once the call was reported: never reported twice.)
+            if call.stall_after is None or due < call.next_warning < math.inf:
                 call.stall_after, call.next_warning = stall_after, due
                 watch = self._watch
                 if watch is not None:
@@ -531,10 +532,12 @@ class Rendezvous:
         """Calls in flight whose next stall report is due at ``now`` (perf_counter), as
         ``pending()`` rows, and the time of the next report after those.
 
-        Each call is reported after ``stall_after`` seconds, then at doubling
-        intervals (2x, 4x, ...), so a long stall does not flood the log: counted from
-        its first arrival while replicas are missing, and on, on the same schedule,
-        while its cross-replica work runs (an async merge_fn that does not finish).
+        Each stall is reported once (SPEC 11: one warning), ``stall_after`` seconds
+        after the call's first arrival: a call some replicas are missing from, and a
+        merge_call whose cross-replica work (an async merge_fn) does not finish. A
+        call reported while replicas were missing is reported once more if its
+        merge_fn then runs ``stall_after`` seconds without finishing (see _run_on):
+        that is a second stall, with another cause.
         """
         due, next_due = [], math.inf
         running = getattr(self, "_running", None)  # (see __init__)
@@ -544,7 +547,7 @@ class Rendezvous:
                     continue
                 if now >= call.started + call.next_warning:
                     due.append(self._row(call, is_running))
-                    call.next_warning *= 2
+                    call.next_warning = math.inf  # reported (see _tighten, _run_on)
                 next_due = min(next_due, call.started + call.next_warning)
         return due, next_due
 
@@ -659,8 +662,15 @@ class Rendezvous:
         *running*, shown by ``pending()`` and reported by ``due_stalls()`` until
         ``work`` ends, then delivered. (Only merge_fns that suspend come here: the
         usual call's work is done before ``_complete`` returns.)"""
-        call.running_since = perf_counter()
+        call.running_since = now = perf_counter()
         call.work = work
+        if call.stall_after is not None and call.next_warning == math.inf:
+            # Reported while replicas were missing: the merge_fn's own stall, if it
+            # has one, is another, reported once stall_after after it started.
+            call.next_warning = now - call.started + call.stall_after
+            watch = self._watch
+            if watch is not None:
+                watch(now + call.stall_after)
         try:
             running = self._running
         except AttributeError:  # the first (see __init__)

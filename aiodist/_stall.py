@@ -7,9 +7,9 @@ missing, and, for each missing replica, its await chain: from the replica
 function down to the innermost suspended frame, each as ``function (file:line)``.
 A ``merge_call`` every replica has arrived at, whose async merge_fn has not
 finished (it awaits something that never comes, or comes slowly), is reported
-the same way: the merge_fn, and its task's await chain. Reports repeat at
-doubling intervals while the stall lasts. They never fail the run:
-``timeout_seconds`` does that.
+the same way: the merge_fn, and its task's await chain. Each stall is reported
+once, however long it lasts. Reports never fail the run: ``timeout_seconds`` does
+that.
 
 Cost when nothing stalls: one watchdog per event loop. A new collective call
 only compares its report time with the watchdog's next wake-up (scheduling one

@@ -579,20 +579,17 @@ def test_a_strategy_collected_on_its_own_communication_thread_closes_it(loop):
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_worker_waiting_for_the_others_reports_the_stall(loop):
-    """SPEC 11 across workers: the waiting worker warns at stall_warning_seconds
-    (0.5 s), then after doubling intervals, naming the collective, its call
-    number and the missing worker and replicas. Before, nothing was logged."""
+    """SPEC 11 across workers: the waiting worker warns once, at
+    stall_warning_seconds (0.5 s; the other worker is 1.6 s late), naming the
+    collective, its call number and the missing worker and replicas."""
     rc, results, output, _ = _program(2, "stall", [1, 1], loop=loop)
     assert rc == 0, output[-3000:]
     assert results[1] == []
-    warnings = results[0]
-    assert 1 <= len(warnings) <= 3, warnings
-    assert warnings[0].startswith(
+    [warning] = results[0]  # one warning: not one more at 1.0 s
+    assert warning.startswith(
         "all_reduce(SUM, float64[]), call #0 of run 1 has waited 0.5 s for the other "
         "workers: worker 0 (replica 0) arrived, worker 1 (replica 1) missing."
-    ), warnings
-    if len(warnings) > 1:
-        assert "has waited 1.0 s" in warnings[1]
+    ), warning
 
 
 def test_a_killed_worker_ends_the_job_instead_of_hanging():

@@ -247,11 +247,26 @@ async def test_counters_and_stall_schedule():
     assert [(row.name, row.number, row.arrived, row.missing) for row in due] == [
         ("sum", 0, [0], [1])
     ]
-    assert next_due == pytest.approx(started + 0.02)  # then at doubling intervals
-    assert rv.due_stalls(started + 0.015)[0] == []
-    assert len(rv.due_stalls(started + 0.021)[0]) == 1
+    assert next_due == float("inf")  # reported once (SPEC 11: one warning)
+    assert rv.due_stalls(started + 0.021) == ([], float("inf"))
+    assert rv.due_stalls(started + 100) == ([], float("inf"))
     second = rv.arrive(1, SUM, 2)
     assert (await first, await second) == (3, 4)
     assert rv.tally.collectives == {"sum": 1}
     assert rv.tally.seconds_waiting > 0  # replica 1 arrived after the checks above
     assert rv.due_stalls(time.perf_counter() + 100) == ([], float("inf"))
+
+
+async def test_a_reported_call_is_not_rearmed_by_a_later_arrivals_threshold():
+    # A later arrival's sooner stall_warning_seconds tightens an unreported call's
+    # schedule; once the call was reported it must not make a second report.
+    watched = []
+    rv = Rendezvous(3, Recorder(), watch=watched.append)
+    first = rv.arrive(0, SUM, 1, stall_after=0.01)
+    started = rv.pending()[0][4]
+    assert len(rv.due_stalls(started + 0.011)[0]) == 1
+    second = rv.arrive(1, SUM, 2, stall_after=0.005)
+    assert rv.due_stalls(time.perf_counter() + 100) == ([], float("inf"))
+    assert len(watched) == 1  # nothing new to watch
+    third = rv.arrive(2, SUM, 3)
+    assert (await first, await second, await third) == (6, 7, 8)
