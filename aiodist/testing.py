@@ -158,10 +158,19 @@ def _depth(node: pytest.Item | pytest.Collector) -> int:
 @pytest.fixture
 def aiodist_replicas(request: pytest.FixtureRequest) -> int:
     """The number of replicas for this test (2 unless the marker or a parameter says)."""
-    count = getattr(request, "param", 2)
     # An indirect parametrize's value, unchecked by the marker's checks: int() made
     # 2.5 two replicas, True one, and "3" three, so the test ran, and passed, on a
     # count it did not ask for. A whole number (a NumPy one too) of at least 1.
+    return _checked_count(request, getattr(request, "param", 2))
+
+
+def _checked_count(request: pytest.FixtureRequest, count: Any) -> int:
+    """``count`` as a replica count, an int, or ``InvalidArgumentError`` naming the test.
+
+    The strategy fixtures check it again: a plain ``parametrize("aiodist_replicas",
+    ...)`` (not indirect) hands its values to them without calling the
+    ``aiodist_replicas`` fixture, and ``cpu_strategy`` refused NumPy's ints (from
+    ``np.arange``) in its own words, naming neither the test nor the parameter."""
     number = _count(count)
     if number is None:
         raise InvalidArgumentError(
@@ -172,15 +181,16 @@ def aiodist_replicas(request: pytest.FixtureRequest) -> int:
 
 
 @pytest.fixture
-def aiodist_strategy(aiodist_replicas: int) -> MirroredStrategy:
+def aiodist_strategy(request: pytest.FixtureRequest, aiodist_replicas: int) -> MirroredStrategy:
     """A fresh ``MirroredStrategy`` with ``aiodist_replicas`` CPU replicas."""
-    return cpu_strategy(aiodist_replicas)
+    return cpu_strategy(_checked_count(request, aiodist_replicas))
 
 
 @pytest.fixture
-def aiodist_gpu_strategy(aiodist_replicas: int) -> MirroredStrategy:
+def aiodist_gpu_strategy(request: pytest.FixtureRequest, aiodist_replicas: int) -> MirroredStrategy:
     """A ``MirroredStrategy`` with ``aiodist_replicas`` replicas on the visible GPUs
     (several per GPU if needed); skipped, with the reason, where that cannot run."""
+    aiodist_replicas = _checked_count(request, aiodist_replicas)
     count = visible_gpu_count()
     if count == 0:
         # Why none: the DeviceError says (no CuPy, CUDA not usable, no GPU) and how to

@@ -270,6 +270,39 @@ def test_an_indirect_parametrize_with_a_bad_count_is_refused_not_rounded(pyteste
         )
 
 
+def test_a_plain_parametrize_takes_numpy_counts_and_names_a_bad_one(pytester):
+    # docs/testing.md: `parametrize("aiodist_replicas", [...])` does what the marker
+    # does, and a count may be a NumPy integer. Not indirect, its values skip the
+    # aiodist_replicas fixture's check and went to cpu_strategy, which refused
+    # np.int64(2) (np.arange's) as "cpu_strategy: num_replicas=np.int64(2); expected
+    # an int >= 1", naming neither the test nor the parameter.
+    result = run(
+        pytester,
+        """
+        import numpy as np
+        import pytest
+
+        @pytest.mark.parametrize("aiodist_replicas", np.arange(1, 3))
+        def test_count(aiodist_strategy, aiodist_replicas):
+            assert aiodist_strategy.num_replicas_in_sync == aiodist_replicas
+
+        @pytest.mark.parametrize("aiodist_replicas", [2.5, 0])
+        def test_bad(aiodist_strategy):
+            pass
+
+        @pytest.mark.parametrize("aiodist_replicas", [np.int64(0)])
+        def test_bad_on_gpu(aiodist_gpu_strategy):
+            pass
+        """,
+    )
+    result.assert_outcomes(passed=2, errors=3)
+    for shown in ("2.5", "0", "np.int64(0)"):
+        result.stdout.fnmatch_lines(
+            [f"*test_bad*: aiodist_replicas={shown}; expected a replica count, a whole number*"]
+        )
+    result.stdout.no_fnmatch_line("*cpu_strategy: num_replicas*")
+
+
 def test_assert_same_on_replicas_catches_a_replica_dependent_step(pytester):
     result = run(
         pytester,
