@@ -32,8 +32,9 @@ in every replica already waiting in it and in every replica that arrives later:
 - *exit*: a replica that made ``m`` calls returns or raises; every call
   ``k >= m`` can never complete (``ReplicaExitedError``, naming the replica, the
   collective and ``k``);
-- *timeout*: ``timeout`` seconds after the first arrival at ``k``, some replica
-  has still not arrived (``RendezvousTimeoutError``, naming the missing ones);
+- *timeout*: ``timeout`` seconds after an arrival at ``k`` that asked for one (each
+  arrival's counts from itself; the earliest deadline wins), some replica has
+  still not arrived (``RendezvousTimeoutError``, naming the missing ones);
 - *close*: the group is torn down while calls are pending.
 
 Nor is a failure lost: a call that failed where no replica retrieved its error
