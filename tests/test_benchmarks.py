@@ -47,6 +47,18 @@ def test_bad_arguments_are_refused_by_name(argv, shown, capsys):
     assert_usage_error(main, argv, shown, capsys)
 
 
+def test_help_shows_the_example_command_lines_one_per_line(capsys):
+    # The default formatter reflowed the description, examples included, into
+    # "... how many times faster aiodist is. python -m benchmarks --quick # under a
+    # minute on 2 cores python -m benchmarks --json out.json # full run, ...".
+    with pytest.raises(SystemExit) as stopped:
+        main(["--help"])
+    assert stopped.value.code == 0
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
+    for command in ("--quick ", "--json out.json ", "--gpu "):
+        assert any(line.startswith(f"python -m benchmarks {command}") for line in lines), lines
+
+
 @pytest.mark.parametrize(
     ("argv", "shown"),
     [
