@@ -4,9 +4,13 @@ or API docstrings mkdocstrings cannot render fail the build)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import aiodist
+import aiodist.serving
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,3 +32,12 @@ def test_site_builds_strictly(tmp_path):
     pages = ("concepts", "design", "from-tensorflow", "errors", "gpu", "multi-worker", "serving")
     for page in (*pages, "testing"):
         assert (tmp_path / page / "index.html").exists()
+
+
+def test_the_api_page_has_an_entry_for_every_public_name():
+    # aiodist.serving.BatcherStats (what batcher.stats() returns, which
+    # docs/serving.md sends readers to) was exported but had no entry.
+    entries = set(re.findall(r"^::: (\S+)$", (ROOT / "docs" / "api.md").read_text(), re.M))
+    public = {f"aiodist.{name}" for name in aiodist.__all__}
+    public |= {f"aiodist.serving.{name}" for name in aiodist.serving.__all__}
+    assert sorted(public - entries) == []
