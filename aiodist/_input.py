@@ -768,6 +768,11 @@ class DistributedDataset:
     and every later ``anext`` on that iterator raises that object again rather
     than ``StopAsyncIteration``, so a failed input is never taken for a complete
     one. ``aclose()`` (or ``async with``) ends a pass early and closes the source.
+
+    A batch from ``async for`` never changes under its user, even where the
+    source refills one buffer for every element. A plain ``for`` fetches nothing
+    ahead and copies nothing: on CPU devices its shards are views of the source's
+    batch, which such a source changes when it makes the next one.
     """
 
     def __init__(
