@@ -274,12 +274,9 @@ class Batcher:
         max_queue_rows: int = 4096,
         max_batches_in_flight: int = 2,
     ):
-        for name, value in (
-            ("max_batch_size", max_batch_size),
-            ("max_queue_rows", max_queue_rows),
-            ("max_batches_in_flight", max_batches_in_flight),
-        ):
-            whole_number(value, name, 1)
+        max_batch_size = whole_number(max_batch_size, "max_batch_size", 1)
+        max_queue_rows = whole_number(max_queue_rows, "max_queue_rows", 1)
+        max_batches_in_flight = whole_number(max_batches_in_flight, "max_batches_in_flight", 1)
         if not isinstance(strategy, Strategy):
             raise InvalidArgumentError(
                 f"Batcher: strategy={strategy!r}; expected an aiodist strategy "

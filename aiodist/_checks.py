@@ -78,10 +78,16 @@ def not_callable(value: Any, message: str) -> InvalidArgumentError:
 
 
 def whole_number(value: Any, name: str, minimum: int, hint: str = "") -> int:
-    """``value`` if it is an int (not a bool) of at least ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """``value`` as an int: a whole number (not a bool) of at least ``minimum``.
+    NumPy's integers count (``np.int64(8)``: from ``np.arange`` or a config array),
+    as ``seconds`` takes NumPy's numbers; callers keep the int returned."""
+    if (
+        isinstance(value, bool | np.bool_)
+        or not isinstance(value, numbers.Integral)
+        or value < minimum
+    ):
         raise InvalidArgumentError(f"{name}={value!r}; expected an int >= {minimum}{hint}.")
-    return value
+    return int(value)
 
 
 def seconds(value: Any, name: str, *, zero: bool = False, hint: str = "") -> float:

@@ -141,7 +141,7 @@ class InputOptions:
 
     def __post_init__(self) -> None:
         name = "experimental_per_replica_buffer_size"
-        whole_number(getattr(self, name), name, 1)
+        object.__setattr__(self, name, whole_number(getattr(self, name), name, 1))  # (frozen)
         name = "experimental_replication_mode"
         mode = member(InputReplicationMode, getattr(self, name), name)
         object.__setattr__(self, name, mode)  # a frozen dataclass

@@ -46,7 +46,8 @@ class CommunicationOptions:
     stall_warning_seconds: float | None = 30.0
 
     def __post_init__(self) -> None:
-        whole_number(self.bytes_per_pack, "bytes_per_pack", 0, " (0: one pack per dtype)")
+        packing = whole_number(self.bytes_per_pack, "bytes_per_pack", 0, " (0: one pack per dtype)")
+        object.__setattr__(self, "bytes_per_pack", packing)  # (a frozen dataclass)
         for name in ("timeout_seconds", "stall_warning_seconds"):
             if (value := getattr(self, name)) is not None:
                 # (Kept as a float: a NumPy number is one.)

@@ -74,7 +74,7 @@ def cpu_strategy(num_replicas: int) -> MirroredStrategy:
     """A ``MirroredStrategy`` on ``cpu:0`` … ``cpu:{num_replicas - 1}``."""
     # (0 said "devices=[] names no device", 2.0 "'float' object cannot be interpreted
     # as an integer", and True made one replica.)
-    whole_number(num_replicas, "cpu_strategy: num_replicas", 1)
+    num_replicas = whole_number(num_replicas, "cpu_strategy: num_replicas", 1)
     return MirroredStrategy([f"cpu:{i}" for i in range(num_replicas)])
 
 

@@ -266,6 +266,42 @@ def test_the_cuda_runtime_is_asked_for_the_gpu_count_once_per_process():
     assert done.stdout.split()[-1] == "1"
 
 
+def test_whole_number_arguments_take_numpy_integers():
+    # As seconds take NumPy numbers: np.int64(8) (from np.arange, a config array)
+    # was refused as "expected an int >= 1". Each is kept as a Python int.
+    from aiodist.serving import Batcher
+    from aiodist.testing import cpu_strategy
+
+    two = cpu_strategy(np.int64(2))
+    assert two.num_replicas_in_sync == 2
+    options = aiodist.CommunicationOptions(bytes_per_pack=np.int32(1024))
+    inputs = aiodist.InputOptions(experimental_per_replica_buffer_size=np.uint8(3))
+    batcher = Batcher(
+        two,
+        lambda rows: rows,
+        max_batch_size=np.int64(8),
+        max_queue_rows=np.int16(64),
+        max_batches_in_flight=np.int64(1),
+    )
+    kept = [
+        aiodist.NcclAllReduce(num_packs=np.int64(2)).num_packs,
+        options.bytes_per_pack,
+        inputs.experimental_per_replica_buffer_size,
+        batcher.max_batch_size,
+        batcher.max_queue_rows,
+        batcher.max_batches_in_flight,
+    ]
+    assert kept == [2, 1024, 3, 8, 64, 1] and {type(n) for n in kept} == {int}
+    assert aiodist.CommunicationOptions(
+        bytes_per_pack=np.int32(1024)
+    ) == aiodist.CommunicationOptions(bytes_per_pack=1024)
+    for bad in (np.bool_(True), np.int64(-1), np.float64(2.0)):
+        with pytest.raises(aiodist.InvalidArgumentError, match=r"num_packs=.*expected an int >= 0"):
+            aiodist.NcclAllReduce(num_packs=bad)
+        with pytest.raises(aiodist.InvalidArgumentError, match=r"max_batch_size=.*expected an int"):
+            Batcher(two, lambda rows: rows, max_batch_size=bad)
+
+
 def test_nccl_all_reduce_refuses_cpu_devices_before_touching_cupy():
     with pytest.raises(aiodist.InvalidArgumentError, match=r"NcclAllReduce needs GPU devices"):
         aiodist.MirroredStrategy(["cpu:0", "cpu:1"], cross_device_ops=aiodist.NcclAllReduce())
