@@ -216,10 +216,25 @@ def check_reducible(
         raise InvalidArgumentError(
             unawaited(leaf, f"{where} (the leaf at {path})" if path else where)
         )
+    if isinstance(leaf, int) and kind == "O":  # an int NumPy could not make int64/uint64
+        raise InvalidArgumentError(_int_too_large(op, leaf, where, path))
     raise InvalidArgumentError(
         f"{where}: cannot reduce values of dtype {array.dtype} with {op.name}{at}; expected "
         "numeric arrays or scalars (integers, floats, complex; bool only with MIN/MAX). "
         "Convert the value first, e.g. x.astype(np.int32)."
+    )
+
+
+def _int_too_large(op: ReduceOp, value: int, where: str, path: str) -> str:
+    """Why ``value``, a Python int beyond 64 bits (NumPy holds it as dtype object),
+    cannot be reduced: the message said "dtype object ... expected ... integers"."""
+    # (Digits only while they are few: str() of an int over 4300 digits raises.)
+    shown = str(value) if value.bit_length() <= 256 else f"of {value.bit_length()} bits"
+    at = f" (the leaf at {path})" if path else ""
+    return (
+        f"{where}: cannot reduce the int {shown}{at} with {op.name}: it fits neither "
+        "int64 nor uint64, so NumPy holds it as dtype object; expected integers from "
+        "-2**63 to 2**64 - 1. Reduce it as a float (float(x)), or in parts that fit."
     )
 
 

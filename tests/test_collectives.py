@@ -669,6 +669,31 @@ async def test_an_unreducible_leaf_is_named_by_its_path_and_type(two, leaf, type
         await two.run(top_level)
 
 
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (2**70, r"the int 1180591620717411303424 with SUM"),
+        ([1, 2**64], r"the int 18446744073709551616 \(the leaf at \[1\]\) with SUM"),
+        ({"a": -(2**63) - 1}, r"the int -9223372036854775809 \(the leaf at \['a'\]\) with SUM"),
+        (10**5000, r"the int of 16610 bits with SUM"),  # (str() of it would raise)
+    ],
+    ids=["int", "in-list", "in-dict", "huge"],
+)
+async def test_an_int_beyond_64_bits_is_named_with_what_fits(two, value, shown):
+    # NumPy holds such an int as dtype object, and the message read "cannot reduce
+    # values of dtype object with SUM (an int); expected ... (integers, ...) ... e.g.
+    # x.astype(np.int32)": it refused an int saying it expected integers.
+    async def fn():
+        return await aiodist.get_replica_context().all_reduce("sum", value)
+
+    expected = rf"^all_reduce on replica 0: cannot reduce {shown}: it fits neither int64 nor "
+    expected += r"uint64, .*expected integers from -2\*\*63 to 2\*\*64 - 1\. .*float\(x\)"
+    with pytest.raises(aiodist.InvalidArgumentError, match=expected):
+        await two.run(fn)
+    with pytest.raises(aiodist.InvalidArgumentError, match=r"^reduce: cannot reduce the int 1180"):
+        await two.reduce("max", aiodist.PerReplica([2**70, 2**70]), axis=None)
+
+
 def _layers(change: str) -> dict:
     """300 float32 arrays by name; on replica 1, ``change`` applied to 'layer150'."""
     value = {f"layer{i}": np.zeros((2, 3), np.float32) for i in range(300)}
