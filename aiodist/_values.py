@@ -270,14 +270,20 @@ def refuse_structure(value: object, where: str) -> None:
             f"pair holds one value {one}. Make a pair per value, e.g. "
             f"[(v, destinations) for v in {values}]."
         )
-    call = _ONE_AT_A_TIME[where]
+    call, advice = _ONE_AT_A_TIME[where], "Call it once per value"
+    if where == "broadcast":
+        # It takes one array: a PerReplica or Mirrored is refused too (the message
+        # offered them, and its example broadcast each distributed value, refused next).
+        one = "(one array)"
+        if distributed:
+            call = _ONE_AT_A_TIME["reduce_to"]
+            advice = "To put distributed values on the destinations, reduce each instead"
     if isinstance(value, dict):
         example = f"{{k: await {call} for k, v in value.items()}}"
     else:
         example = f"[await {call} for v in value]"
     raise InvalidArgumentError(
-        f"{where}: value is {what}; {where} takes one value "
-        f"{one}. Call it once per value, e.g. {example}."
+        f"{where}: value is {what}; {where} takes one value {one}. {advice}, e.g. {example}."
     )
 
 

@@ -296,6 +296,37 @@ async def test_structures_of_distributed_values_are_refused_with_the_way_out(two
             await call
 
 
+async def test_broadcast_of_a_structure_offers_only_what_broadcast_takes(two):
+    # broadcast_to([loss]) said broadcast "takes one value (one PerReplica from
+    # strategy.run, a Mirrored, or an array)" and showed [await ...broadcast_to(v,
+    # destinations) for v in value]: both refused next ("broadcast: tensor is a
+    # PerReplica; expected a single array").
+    loss = per_replica(two, np.float32)
+    with two.scope():
+        for value, example in [
+            ([loss], "[await strategy.extended.reduce_to(op, v, destinations) for v in value]"),
+            (
+                {"loss": loss},
+                "{k: await strategy.extended.reduce_to(op, v, destinations) for k, v in "
+                "value.items()}",
+            ),
+        ]:
+            with pytest.raises(aiodist.InvalidArgumentError) as caught:
+                await two.extended.broadcast_to(value, "cpu:0")
+            message = str(caught.value)
+            assert "broadcast takes one value (one array). To put distributed values" in message
+            assert example in message and "PerReplica" not in message, message
+        # What it shows works.
+        assert [float(await two.extended.reduce_to("sum", v, "cpu:0")) for v in [loss]] == [1.0]
+        # A dict of arrays: broadcast each, as before.
+        shown = re.escape(
+            "broadcast takes one value (one array). Call it once per value, e.g. "
+            "{k: await strategy.extended.broadcast_to(v, destinations) for k, v in"
+        )
+        with pytest.raises(aiodist.InvalidArgumentError, match=shown):
+            await two.extended.broadcast_to({"w": np.ones(2)}, "cpu:0")
+
+
 async def test_a_run_not_awaited_is_refused_saying_await_is_missing(two):
     # TF's habit, `losses = strategy.run(step)`, passed the coroutine on as a value:
     # SUM called it "not distributed" (use MEAN), MEAN "dtype object" (x.astype),
