@@ -285,7 +285,9 @@ class StrategyExtended:
         them. Returns a ``Mirrored`` of the results (a tuple with ``group=False``),
         one per replica: replicas sharing a device share its copy's result. ``var``
         is a variable of this strategy (or one made outside any scope); another
-        strategy's raises ``ContextError``, as writing it here would.
+        strategy's raises ``ContextError``, as writing it here would. If ``fn``
+        raises for any copy, no copy of ``var`` (or of the variables unwrapped for
+        ``fn``) is changed: the error propagates with every copy as before.
         """
         _context.require_cross_replica(self._strategy, "update")
         owner = var._strategy if isinstance(var, _variables.Variable) else None

@@ -1078,7 +1078,9 @@ async def update(
     replica, and variables of the strategy to their copy that replica reads
     (a ``VariableCopy``). Runs each call with the copy's device (and stream) current.
     Returns a ``Mirrored`` of the results, or a tuple with ``group=False``: one
-    entry per replica either way (replicas sharing a copy share its result).
+    entry per replica either way (replicas sharing a copy share its result). If
+    ``fn`` raises for any copy, every copy of ``var`` and of the variables
+    unwrapped for ``fn`` is left as before (the copies never drift apart).
     """
     if not isinstance(variable, Variable):
         raise InvalidArgumentError(
@@ -1138,16 +1140,43 @@ def _update_copies(
     variable: Variable, fn: Callable[..., Any], args: Any, kwargs: Any, slots: Any, n: int
 ) -> list:
     """``update``'s calls of ``fn``, one per copy, each on its first replica's stream."""
-    results = []
     # Variables of the strategy among the arguments (TF's colocated ones) are
     # distributed values there: each call gets their copy on its device.
     own = variable._strategy
-    unwrap = False
+    unwrapped = []
     if own is not None:  # (a plain variable's update has none to unwrap)
         for leaf in _nest.flatten((args, kwargs) if kwargs else args):
             if isinstance(leaf, Variable) and leaf._strategy is own:
-                unwrap = True
-                break
+                unwrapped.append(leaf)
+    # What fn may write: the variable, and those unwrapped (by identity: == of
+    # variables is element-wise).
+    written = list({id(v): v for v in [variable, *unwrapped]}.values())
+    # All copies change, or none does: fn failing for a later copy (a Mirrored
+    # component of another shape, a value that is not numbers) left the copies it
+    # had written changed and the others not, mirrors that stayed apart from then on.
+    before = [list(v._values) for v in written]
+    try:
+        return _call_per_copy(variable, fn, args, kwargs, slots, n, own, bool(unwrapped))
+    except BaseException:
+        with _WRITE_LOCK:
+            for v, values in zip(written, before, strict=True):
+                v._values[:] = values
+        raise
+
+
+def _call_per_copy(
+    variable: Variable,
+    fn: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+    slots: Any,
+    n: int,
+    own: Any,
+    unwrap: bool,
+) -> list:
+    """``_update_copies``' calls of ``fn``; ``unwrap``: whether ``own``'s variables
+    among the arguments are handed over as their copies."""
+    results = []
     for copy, rid in zip(variable._copies(), variable._replica_of_copy, strict=True):
         # Each copy with the component, device and stream of its first replica.
         copy_args = select_replica(rid, args, n)

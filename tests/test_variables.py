@@ -741,6 +741,25 @@ async def test_update_unwraps_the_strategys_variables_in_args():
     assert copies(strategy, var1) == [1.0, 1.0, 3.0]  # each copy its replica's count
 
 
+async def test_an_update_failing_for_one_copy_changes_no_copy(two):
+    """fn raising for the second copy (here its Mirrored component of another shape)
+    left the first copy written and the second not: mirrors apart for good, and an
+    unwrapped variable fn had written changed half-way too. Every copy is as
+    before, as after a failed assign."""
+    with two.scope():
+        v = aiodist.Variable(np.zeros(3), name="v")
+        w = aiodist.Variable(np.zeros(3), name="w")
+        values = aiodist.Mirrored([np.ones(3), np.ones(4)])
+
+        def fn(copy, value, other):
+            other.assign_add(1.0)
+            return copy.assign(value)
+
+        with pytest.raises(aiodist.InvalidArgumentError, match=r"v.assign \(copy on .*CPU:1\)"):
+            await two.extended.update(v, fn, args=(values, w))
+    np.testing.assert_array_equal(np.stack(copies(two, v) + copies(two, w)), np.zeros((4, 3)))
+
+
 async def _tf_reduce_to_update_example(strategy, batch: bool):
     """TF's reduce_to / batch_reduce_to docstring: merge_fn reduces, then updates."""
 
