@@ -55,6 +55,7 @@ import functools
 import operator
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from copy import deepcopy
 from typing import Any
 
 import numpy as np
@@ -656,6 +657,18 @@ class Variable(_ReadsAsValue):
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         value = host_array(self.read_value())
         return np.array(value, dtype=dtype, copy=True) if copy else np.asarray(value, dtype=dtype)
+
+    def __deepcopy__(self, memo: dict) -> Variable:
+        """A new variable of the same strategy, on the same devices, with copies of
+        the values, as TF deep-copies a distributed variable. (Python's default
+        also copied the strategy, whose scope and run then refused the copy as
+        "Mixing different aiodist strategies", and left the copies' arrays
+        writeable, so a read could change the variable in place.)"""
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(self.__dict__)  # the strategy, name and devices: shared
+        new._values = [_frozen(deepcopy(value, memo)) for value in self._values]
+        return new
 
     def ref(self) -> VariableRef:
         """A hashable reference to this variable, for dict keys and sets: variables

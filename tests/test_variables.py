@@ -472,6 +472,29 @@ def test_runs_on_event_loops_in_two_threads_do_not_lose_updates():
     assert copies(strategy, deepcopy(mirrored)) == [2 * runs * 2] * 2  # (no lock in it)
 
 
+async def test_a_deep_copy_is_a_variable_of_the_same_strategy(two):
+    """As TF's deep copy of a distributed variable: same strategy and devices, its
+    own values. Python's default copied the strategy too, so the copy's
+    assign_add in the strategy's run raised "Mixing different aiodist
+    strategies", and its arrays came back writeable (a read could change it)."""
+    with two.scope():
+        v = aiodist.Variable(np.zeros(2), aggregation="sum", name="v")
+        on_read = aiodist.Variable(0.0, synchronization="on_read", aggregation="sum")
+    w, r = deepcopy([v, on_read])
+    assert w._strategy is two and type(w) is aiodist.MirroredVariable and w.name == "v"
+    assert two.extended.variable_created_in_scope(r) and w.devices == v.devices
+
+    async def step():
+        await w.assign_add(np.ones(2))
+        await r.assign_add(1.0)
+
+    await two.run(step)
+    np.testing.assert_array_equal(np.stack(copies(two, w)), np.full((2, 2), 2.0))
+    np.testing.assert_array_equal(np.stack(copies(two, v)), np.zeros((2, 2)))
+    assert float(r) == 2.0 and float(on_read) == 0.0
+    assert not any(c.flags.writeable for c in two.experimental_local_results(deepcopy(v)))
+
+
 async def test_replica_skipping_an_aggregated_assign_fails_clearly(three):
     with three.scope():
         v = aiodist.Variable(0.0, aggregation="sum", name="weights")
