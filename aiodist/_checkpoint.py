@@ -6,7 +6,9 @@ a sync-on-read one). So it restores into a strategy with any number of replicas
 or devices. Saving writes a temporary file beside the target, flushes it to disk
 and renames it over the target: a crash mid-save leaves the previous checkpoint
 (or none), never a truncated one. Restoring checks every name, shape and dtype
-before it changes anything.
+(from the arrays' headers, before it reads them) and changes nothing unless all
+match; a file that is damaged or no checkpoint raises ``InvalidArgumentError``
+naming it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 import secrets
 import threading
 import zipfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -161,9 +163,28 @@ async def save_variables(
     return target
 
 
-def _load(path: Path, wanted: Iterable[str]) -> tuple[dict[str, np.ndarray], list[str]]:
-    """The ``wanted`` arrays the file holds, and the names of all it holds: a file's
-    other arrays are never read (an archive is read entry by entry)."""
+def _header(data: np.lib.npyio.NpzFile, member: str) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype that the archive's ``member`` (an ``.npy`` file) declares,
+    read from its header alone."""
+    with data.zip.open(member) as file:
+        version = np.lib.format.read_magic(file)
+        if version not in ((1, 0), (2, 0), (3, 0)):
+            raise ValueError(f"{member} has .npy format version {version}, not 1.0 to 3.0")
+        read = np.lib.format.read_array_header_1_0
+        if version != (1, 0):  # (3.0 differs from 2.0 in its header's text encoding only)
+            read = np.lib.format.read_array_header_2_0
+        shape, _, dtype = read(file)
+    return shape, dtype
+
+
+def _load(
+    path: Path, wanted: Mapping[str, Variable]
+) -> tuple[dict[str, np.ndarray], dict[str, tuple], list[str]]:
+    """The arrays for the ``wanted`` variables that the file holds with their shape
+    and dtype; the shape and dtype of each one it holds (from its header); and the
+    names of all it holds. An array of another shape or dtype, and the file's other
+    arrays, are never read (an archive is read entry by entry): a damaged header
+    declaring a huge shape asked NumPy to allocate it ("Unable to allocate 1.00 TiB")."""
     loaded = np.load(path, allow_pickle=False)
     if not isinstance(loaded, np.lib.npyio.NpzFile):  # a .npy file: one bare array
         raise ValueError("it holds one array (.npy), not named arrays (.npz)")
@@ -171,33 +192,46 @@ def _load(path: Path, wanted: Iterable[str]) -> tuple[dict[str, np.ndarray], lis
         # Each array by its exact member name: data[name] would first look for a
         # member called `name`, which for a variable named "a.npy" is variable a's.
         members = set(data.zip.namelist())
-        stored = {name: data[name + ".npy"] for name in wanted if name + ".npy" in members}
-        return stored, list(data.files)
+        found = {name: _header(data, name + ".npy") for name in wanted if name + ".npy" in members}
+        stored = {
+            name: data[name + ".npy"]
+            for name, (shape, dtype) in found.items()
+            if shape == wanted[name].shape and dtype == wanted[name].dtype
+        }
+        return stored, found, list(data.files)
 
 
 async def restore_variables(
     path: str | os.PathLike, variables: Mapping[str, Variable] | Sequence[Variable]
 ) -> None:
     """Restore ``variables`` from ``path``; every variable must be in the file with its
-    shape and dtype, or nothing changes. Names in the file and not asked for are ignored."""
+    shape and dtype, or nothing changes. Names in the file and not asked for are ignored.
+    A file that is damaged or not a checkpoint raises ``InvalidArgumentError``."""
     _require_outside_replicas("restore_variables")
     named = _by_name(variables, "restore_variables")
     try:
-        stored, held = await asyncio.to_thread(_load, Path(path), list(named))
+        stored, found, held = await asyncio.to_thread(_load, Path(path), named)
     except FileNotFoundError:
         raise InvalidArgumentError(f"restore_variables: no checkpoint at {str(path)!r}.") from None
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+    except MemoryError:
+        raise  # (the arrays' shapes are checked first: a real want of memory)
+    except Exception as exc:
+        # Whatever a damaged file makes zipfile or NumPy raise: BadZipFile,
+        # ValueError and OSError mostly, but also NotImplementedError (a compression
+        # method byte changed) and RuntimeError (an encryption flag set), which
+        # escaped as they were, naming neither the file nor the call.
         raise InvalidArgumentError(
             f"restore_variables: {str(path)!r} is not a checkpoint that save_variables "
             f"wrote (an .npz file): {type(exc).__name__}: {exc}"
         ) from exc
     problems = []
     for name, variable in named.items():
-        if name not in stored:
+        if name not in found:
             problems.append(f"{name!r} is not in the checkpoint")
-        elif stored[name].shape != variable.shape or stored[name].dtype != variable.dtype:
+        elif name not in stored:
+            shape, dtype = found[name]
             problems.append(
-                f"{name!r} is {stored[name].dtype}{list(stored[name].shape)} in the checkpoint "
+                f"{name!r} is {dtype}{list(shape)} in the checkpoint "
                 f"but {variable.dtype}{list(variable.shape)} here"
             )
     if problems:

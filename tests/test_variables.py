@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import re
+import struct
 import sys
 import threading
 import warnings
+import zipfile
 from copy import deepcopy
 from fractions import Fraction
 
@@ -1210,6 +1212,38 @@ async def test_checkpoint_paths_that_cannot_be_used_are_named(two, tmp_path):
             await aiodist.restore_variables(tmp_path / name, [w])
     with pytest.raises(ValueError, match=r"holds a NUL character"):
         await aiodist.save_variables(tmp_path / "n.npz", {"x\0y": w})
+
+
+async def test_damaged_checkpoints_are_named_and_their_arrays_checked_first(tmp_path):
+    """A checkpoint damaged in its zip directory raised zipfile's own
+    NotImplementedError (a compression method byte changed) or RuntimeError (an
+    encryption flag set), naming neither the file nor restore_variables; a damaged
+    .npy header declaring a huge shape made NumPy try to allocate it (MemoryError,
+    "Unable to allocate 1.00 TiB") before the shape was compared."""
+    w = aiodist.Variable(np.zeros(3, np.float32), name="w")
+    path = await aiodist.save_variables(tmp_path / "c.npz", [w])
+    good = path.read_bytes()
+    directory = good.index(b"PK\x01\x02")  # the central directory's entry for w.npy
+    for offset, value, text in [(10, 99, "NotImplementedError"), (8, 1, "RuntimeError")]:
+        damaged = bytearray(good)
+        struct.pack_into("<H", damaged, directory + offset, value)
+        (tmp_path / "bad.npz").write_bytes(damaged)
+        with pytest.raises(
+            aiodist.InvalidArgumentError,
+            match=rf"restore_variables: '.*bad.npz' is not a checkpoint .*: {text}",
+        ):
+            await aiodist.restore_variables(tmp_path / "bad.npz", [w])
+    with zipfile.ZipFile(tmp_path / "huge.npz", "w") as archive:
+        with archive.open("w.npy", "w") as member:
+            header = {"descr": "<f4", "fortran_order": False, "shape": (2**40,)}
+            np.lib.format.write_array_header_1_0(member, header)
+            member.write(bytes(12))
+    with pytest.raises(
+        aiodist.InvalidArgumentError,
+        match=r"'w' is float32\[1099511627776\] in the checkpoint but float32\[3\] here",
+    ):
+        await aiodist.restore_variables(tmp_path / "huge.npz", [w])
+    np.testing.assert_array_equal(w.numpy(), [0, 0, 0])
 
 
 async def test_checkpoint_dicts_need_str_names_and_variables(tmp_path):
