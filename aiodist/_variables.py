@@ -36,8 +36,9 @@ of Python ints, int64 to NumPy) are taken alike, and an initial value that the
 ``dtype=`` given cannot hold is refused. The result of
 ``assign_add``/``assign_sub`` wraps as NumPy's integer arithmetic does.
 
-Operators (``v + 1``, ``v < x``, ``v == x``, ...) act on the value read,
-element-wise, as TF's do; so variables are unhashable, and ``v.ref()`` is what
+Operators (``v + 1``, ``v < x``, ``v == x``, ``v & m``, ``~v``, ...) act on the
+value read, element-wise, as TF's do (``&``, ``|``, ``^``, ``~``: logical for
+bools, bitwise for integers); so variables are unhashable, and ``v.ref()`` is what
 to use as a dict key. Iteration and ``x in v`` go over one read of the value,
 as over that array (a 0-d value cannot be iterated).
 
@@ -350,6 +351,7 @@ class _ReadsAsValue:
 
     __neg__ = _unary(operator.neg)
     __abs__ = _unary(operator.abs)
+    __invert__ = _unary(operator.invert)  # logical not of bools, bitwise of integers
     __add__, __radd__ = _binary(operator.add)
     __sub__, __rsub__ = _binary(operator.sub)
     __mul__, __rmul__ = _binary(operator.mul)
@@ -358,6 +360,9 @@ class _ReadsAsValue:
     __mod__, __rmod__ = _binary(operator.mod)
     __pow__, __rpow__ = _binary(operator.pow)
     __matmul__, __rmatmul__ = _binary(operator.matmul)
+    __and__, __rand__ = _binary(operator.and_)  # (TF's too: logical for bools)
+    __or__, __ror__ = _binary(operator.or_)
+    __xor__, __rxor__ = _binary(operator.xor)
     __lt__, __gt__ = _binary(operator.lt)  # 1 < v is v > 1
     __le__, __ge__ = _binary(operator.le)
     __eq__ = _binary(operator.eq)[0]

@@ -350,6 +350,30 @@ async def test_operators_act_element_wise_on_the_value_as_in_tf(two):
     ]
 
 
+async def test_logical_and_bitwise_operators_act_element_wise_as_in_tf(two):
+    """TF's variables have &, |, ^ and ~ (logical for bools, bitwise for integers);
+    here ``mask & other``, ``~done`` and ``flags | 4`` raised TypeError ("unsupported
+    operand type(s) for &: 'MirroredVariable' and 'bool'"), on bool variables too."""
+    with two.scope():
+        mask = aiodist.Variable([True, False], name="mask")
+        flags = aiodist.Variable(np.uint8([1, 6]), name="flags")
+    np.testing.assert_array_equal(mask & [True, True], [True, False])
+    np.testing.assert_array_equal(np.array([False, True]) | mask, [True, True])
+    np.testing.assert_array_equal(mask ^ True, [False, True])
+    np.testing.assert_array_equal(~mask, [False, True])
+    np.testing.assert_array_equal(flags | 4, np.uint8([5, 6]))
+    np.testing.assert_array_equal(3 & flags, np.uint8([1, 2]))
+    np.testing.assert_array_equal(~flags, np.uint8([254, 249]))
+
+    async def fn(var):  # in a replica: the replica's own copy (a VariableCopy in update)
+        return var ^ (rid() == 1)
+
+    results = two.experimental_local_results(await two.run(fn, args=(mask,)))
+    np.testing.assert_array_equal(np.stack(results), [[True, False], [False, True]])
+    inverted = await two.extended.update(mask, lambda copy: ~copy, group=False)
+    np.testing.assert_array_equal(np.stack(inverted), [[False, True]] * 2)
+
+
 async def test_iteration_and_in_act_on_one_read_as_for_the_array(two):
     with two.scope():
         scalar = aiodist.Variable(3.0)
