@@ -721,14 +721,12 @@ class Strategy:
         """The components of ``value`` as host arrays; GPU components are copied in
         stream order while the loop keeps running. ``where``: the call, named if a
         component is no array (a ragged list)."""
+        given = value
         value = copies_of(value)  # (a variable: its copies, as in TF; a plain one: its value)
         if isinstance(value, DistributedValues):
             parts = list(value._values)
             if len(parts) != len(self._slots):
-                raise InvalidArgumentError(
-                    f"a {type(value).__name__} with {len(parts)} values was passed to a "
-                    f"strategy with {len(self._slots)} local replicas."
-                )
+                raise self._wrong_count(given, len(parts), where)
         else:
             parts = [value]
         # Tests per type of part (usually one type), not per part.
@@ -745,6 +743,23 @@ class Strategy:
         except ValueError:
             refuse_ragged(parts, where)
             raise
+
+    def _wrong_count(self, value: Any, count: int, where: str) -> InvalidArgumentError:
+        """The error for ``value`` (a distributed value or a variable), which has
+        ``count`` components where this strategy has another number of replicas."""
+        n = len(self._slots)
+        if hasattr(value, "_aiodist_local_results"):  # a variable: name it and its maker
+            # (It read "a PerReplica with 2 values was passed", for a variable.)
+            return InvalidArgumentError(
+                f"{where}: variable {value.name!r} was made in the scope of "
+                f"{value._strategy!r}, which has {count} replicas, not {n} as {self!r}; "
+                "pass a variable to the strategy whose scope made it."
+            )
+        return InvalidArgumentError(
+            f"{where}: a {type(value).__name__} with {count} values was passed to a "
+            f"strategy with {n} local replicas; expected one value per replica, as this "
+            "strategy's run returns."
+        )
 
     # -- ordering cross-replica work on GPUs ----------------------------------------------
 

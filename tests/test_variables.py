@@ -1367,6 +1367,26 @@ async def test_updating_a_variable_through_another_strategy_raises(two, three):
     assert copies(two, v) == [3.0, 3.0]
 
 
+async def test_reducing_another_strategys_variable_names_the_variable(two, three):
+    """It said "a PerReplica with 2 values was passed to a strategy with 3 local
+    replicas", for a variable, naming neither it, the call nor a remedy."""
+    with two.scope():
+        v = aiodist.Variable(1.0, name="w")
+    for call in (three.reduce("sum", v), three.gather(v, axis=0)):
+        with pytest.raises(
+            aiodist.InvalidArgumentError,
+            match=r"strategy\.(reduce|gather): variable 'w' was made in the scope of "
+            r"MirroredStrategy\(.*\), which has 2 replicas, not 3 as MirroredStrategy.*; "
+            "pass a variable to the strategy whose scope made it",
+        ):
+            await call
+    with pytest.raises(
+        aiodist.InvalidArgumentError,
+        match=r"strategy\.reduce: a PerReplica with 2 values .* 3 local replicas; expected",
+    ):
+        await three.reduce("sum", aiodist.PerReplica([1.0, 2.0]))
+
+
 def test_variable_created_in_scope(two, three):
     with two.scope():
         v = aiodist.Variable(1.0)
