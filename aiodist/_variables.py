@@ -467,7 +467,8 @@ class Variable(_ReadsAsValue):
 
     Args:
         initial_value: an array, scalar or nested list of numbers (or a
-            zero-argument callable returning one).
+            zero-argument plain function returning one: an awaitable, or an
+            ``async def`` function, is refused).
         aggregation: how replicas' updates combine (``VariableAggregation``).
         synchronization: ``ON_READ`` makes a ``SyncOnReadVariable``; anything
             else a ``MirroredVariable`` (inside a scope).
@@ -525,8 +526,20 @@ class Variable(_ReadsAsValue):
         self._aggregation = member(VariableAggregation, aggregation, "aggregation")
         self._synchronization = member(VariableSynchronization, synchronization, "synchronization")
         self._name = "Variable" if name is None else str(name)
+        given_value = initial_value
         if callable(initial_value):
             initial_value = initial_value()
+        # (An async function's coroutine read as "initial_value has dtype object", and
+        # Python warned that it was never awaited.)
+        refuse_awaitables(
+            (initial_value,),
+            lambda: (
+                f"{self._name}: initial_value={given_value!r} is or returned an awaitable; "
+                "a variable's initial value is taken when it is made, not awaited: pass "
+                "the value (await it first) or a plain function (def, not async def) "
+                "returning it."
+            ),
+        )
         if isinstance(initial_value, DistributedValues | Variable):
             raise InvalidArgumentError(
                 f"{self._name}: initial_value is a {type(initial_value).__name__}; expected "

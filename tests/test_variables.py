@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import struct
 import sys
@@ -91,6 +92,29 @@ def test_bad_arguments():
         aiodist.Variable("text")
     with pytest.raises(aiodist.ContextError, match=r"outside any strategy scope"):
         aiodist.MirroredVariable(1.0)
+
+
+def test_an_async_initial_value_is_refused_by_name(two):
+    """An async function (or its coroutine) as initial_value read as "initial_value
+    has dtype object; expected numbers", and Python warned "coroutine ... was never
+    awaited" (the coroutine is now closed)."""
+
+    async def initial():
+        return 1.0
+
+    coroutine = initial()
+    for given in (initial, coroutine):
+        for scope in (two.scope(), contextlib.nullcontext()):
+            with (
+                scope,
+                pytest.raises(
+                    aiodist.InvalidArgumentError,
+                    match=r"w: initial_value=<(function|coroutine object) .*initial.*> is or "
+                    r"returned an awaitable; .* pass the value \(await it first\)",
+                ),
+            ):
+                aiodist.Variable(given, name="w")
+    assert coroutine.cr_frame is None  # closed: nothing warns that it was never awaited
 
 
 @pytest.mark.parametrize(
