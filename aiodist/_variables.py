@@ -626,6 +626,14 @@ class Variable(_ReadsAsValue):
         return self._values[0].dtype
 
     @property
+    def device(self) -> str:
+        """The canonical name of the device of the copy read here: in a replica
+        function, the replica's copy's; elsewhere the primary (first) copy's, as
+        TF's ``device`` of a distributed variable (a plain one's: ``/device:CPU:0``)."""
+        index = self._replica_index()
+        return str(self._devices[0 if index is None else index])
+
+    @property
     def devices(self) -> tuple[str, ...]:
         """Canonical names of the copies' devices, in replica order (a mirrored
         variable's once per device: replicas sharing a device share its copy)."""

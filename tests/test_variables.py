@@ -50,6 +50,24 @@ def test_kinds_by_context(strategy, num_replicas):
     assert mirrored.aggregation is aiodist.VariableAggregation.NONE
 
 
+async def test_device_is_that_of_the_copy_read_as_in_tf():
+    """TF's variables have ``device``; here ``v.device`` raised AttributeError
+    ("'MirroredVariable' object has no attribute 'device'")."""
+    strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:0", "cpu:1"])
+    with strategy.scope():
+        mirrored = aiodist.Variable(0.0)
+        on_read = aiodist.Variable(0.0, synchronization="on_read", aggregation="sum")
+    assert aiodist.Variable(0.0).device == "/device:CPU:0"
+    assert mirrored.device == on_read.device == "/device:CPU:0"  # the primary copy's
+
+    async def fn():
+        return mirrored.device, on_read.device
+
+    seen = strategy.experimental_local_results(await strategy.run(fn))
+    assert [d for d, _ in seen] == ["/device:CPU:0", "/device:CPU:0", "/device:CPU:1"]
+    assert [d for _, d in seen] == ["/device:CPU:0", "/device:CPU:0", "/device:CPU:1"]
+
+
 async def test_creating_in_replica_context_raises(two):
     async def fn():
         aiodist.Variable(1.0)
