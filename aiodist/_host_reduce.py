@@ -316,7 +316,10 @@ def combine(ufunc: Any, arrays: list) -> np.ndarray:
         for array in arrays[2:]:
             ufunc(total, array, out=total)
         return total
-    out = _results().take(first.shape, first.dtype)
+    dtype = first.dtype
+    if not dtype.isnative:  # in native order, as the plain path's ufunc gives it
+        dtype = dtype.newbyteorder("=")
+    out = _results().take(first.shape, dtype)
     flats = [a.reshape(-1) for a in arrays]
     flat_out = out.reshape(-1)
     size = flat_out.size

@@ -38,6 +38,17 @@ def test_blocked_and_parallel_paths_match_numpy(size, count, ufunc):
     np.testing.assert_array_equal(combine(ufunc, arrays), expected)
 
 
+@pytest.mark.parametrize("size", [3, POOLED, LARGE], ids=["plain", "blocked", "parallel"])
+def test_big_endian_inputs_give_a_native_result_at_every_size(size):
+    # The plain path's ufunc gives native byte order; the pooled one gave '>f4'
+    # from 64 KiB on (found by the reductions review).
+    arrays = [(np.arange(size) + i).astype(">f4") for i in range(3)]
+    assert not arrays[0].dtype.isnative
+    total = combine(np.add, arrays)
+    assert total.dtype == np.dtype("float32") and total.dtype.isnative
+    np.testing.assert_array_equal(total, 3 * np.arange(size, dtype=np.float32) + 3)
+
+
 def test_non_contiguous_and_small_inputs_take_the_plain_path():
     big = np.arange(2 * LARGE, dtype=np.float64)[::2]  # strided
     np.testing.assert_array_equal(combine(np.add, [big, big]), 2 * big)
