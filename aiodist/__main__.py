@@ -33,7 +33,13 @@ BATCH = 256
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m aiodist", description=__doc__.split("\n")[0])
+    # Named as it was started: the console script, or the module. (The docstring's
+    # reST quoting is for the API page, not a terminal.)
+    script = os.path.basename(sys.argv[0]) == "aiodist-demo"
+    parser = argparse.ArgumentParser(
+        prog="aiodist-demo" if script else "python -m aiodist",
+        description=__doc__.split("\n")[0].replace("``", ""),
+    )
     parser.add_argument(
         "--devices",
         default="cpu:0,cpu:1,cpu:2,cpu:3",

@@ -443,7 +443,7 @@ def _at_least_one(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
-        description=__doc__,
+        description=__doc__.replace("``", ""),  # (reST quoting: for readers of the source)
         # (the default formatter ran the example command lines together into prose)
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

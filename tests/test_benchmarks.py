@@ -57,6 +57,7 @@ def test_help_shows_the_example_command_lines_one_per_line(capsys):
     lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
     for command in ("--quick ", "--json out.json ", "--gpu "):
         assert any(line.startswith(f"python -m benchmarks {command}") for line in lines), lines
+    assert not any("``" in line for line in lines), lines  # (the docstring's reST quotes)
 
 
 @pytest.mark.parametrize(

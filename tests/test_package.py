@@ -130,6 +130,23 @@ def test_demo_trains_to_the_true_weights():
     assert error < 0.01
 
 
+@pytest.mark.parametrize(
+    ("argv0", "usage"),
+    [("/venv/bin/aiodist-demo", "usage: aiodist-demo "), ("-m", "usage: python -m aiodist ")],
+)
+def test_demo_help_names_the_command_it_was_started_by(monkeypatch, capsys, argv0, usage):
+    # The console script's --help said "usage: python -m aiodist", and both showed
+    # the docstring's reST quotes (``python -m aiodist``).
+    from aiodist.__main__ import main
+
+    monkeypatch.setattr(sys, "argv", [argv0, "--help"])
+    with pytest.raises(SystemExit) as stopped:
+        main(["--help"])
+    assert stopped.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(usage) and "``" not in out
+
+
 def test_demo_reports_bad_devices():
     done = run_demo("--devices", "tpu:0")
     assert done.returncode == 2
