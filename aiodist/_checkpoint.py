@@ -177,6 +177,11 @@ def _header(data: np.lib.npyio.NpzFile, member: str) -> tuple[tuple[int, ...], n
     return shape, dtype
 
 
+def _native(dtype: np.dtype) -> np.dtype:
+    """``dtype`` in this machine's byte order."""
+    return dtype if dtype.isnative else dtype.newbyteorder("=")
+
+
 def _load(
     path: Path, wanted: Mapping[str, Variable]
 ) -> tuple[dict[str, np.ndarray], dict[str, tuple], list[str]]:
@@ -193,10 +198,12 @@ def _load(
         # member called `name`, which for a variable named "a.npy" is variable a's.
         members = set(data.zip.namelist())
         found = {name: _header(data, name + ".npy") for name in wanted if name + ".npy" in members}
+        # A file written on a machine of the other byte order holds its arrays in
+        # that order ('>f4' for float32): the same values, read in native order.
         stored = {
-            name: data[name + ".npy"]
+            name: data[name + ".npy"].astype(wanted[name].dtype, copy=False)
             for name, (shape, dtype) in found.items()
-            if shape == wanted[name].shape and dtype == wanted[name].dtype
+            if shape == wanted[name].shape and _native(dtype) == wanted[name].dtype
         }
         return stored, found, list(data.files)
 
