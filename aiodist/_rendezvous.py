@@ -195,6 +195,13 @@ class Tally:
         self.seconds_waiting = 0.0
 
 
+def _retrieved(call: _Call) -> None:
+    """Mark the failure held by each of ``call``'s futures retrieved."""
+    for future in call.futures:
+        if future is not None and future.done() and not future.cancelled():
+            future.exception()
+
+
 def _unretrieved(call: _Call) -> bool:
     """No replica has retrieved the failure of ``call``, a failed call: it was set on
     at least one replica's future, and none of those was awaited (or had its
@@ -475,9 +482,7 @@ class Rendezvous:
             unseen = next((call.failure for call in failed if _unretrieved(call)), None)
         self._quiet = True
         for call in failed or ():
-            for future in call.futures:
-                if future is not None and future.done() and not future.cancelled():
-                    future.exception()  # marks it retrieved
+            _retrieved(call)
         return unseen
 
     def _closed_error(self) -> RendezvousError:
@@ -579,12 +584,20 @@ class Rendezvous:
             results = execute(call.number, call.first, call.payloads)
         except BaseException as exc:
             self._execute_failed(call, exc)
+            if isinstance(exc, KeyboardInterrupt | SystemExit):
+                # Raised at once, as asyncio lets them through: out of the arrival that
+                # completed the call, whose own future (which nothing will await) holds
+                # it too, as every waiting replica's does; marked retrieved, or asyncio
+                # logs "Future exception was never retrieved" for what the caller got
+                # (the default replica context's engine is never closed, which would
+                # mark them).
+                _retrieved(call)
+                del call  # (see below)
+                raise
             # The failure's traceback holds this frame, and the call holds the failure:
             # without this, every call failed by its cross-replica code (a merge_fn that
             # raised) would leave a cycle for the garbage collector.
             del call
-            if isinstance(exc, KeyboardInterrupt | SystemExit):
-                raise  # at once, as asyncio lets them through
             return True
         if type(results) is list:  # the usual case, tested first: one type check
             futures = call.futures

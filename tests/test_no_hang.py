@@ -1177,6 +1177,29 @@ async def test_failed_merge_calls_in_the_default_context_are_not_kept():
     assert [ref() is None for ref in refs] == [True, True, True]
 
 
+@pytest.mark.parametrize("exc_type", [SystemExit, KeyboardInterrupt])
+async def test_a_merge_fn_raising_system_exit_in_the_default_context_is_not_logged(
+    caplog, exc_type
+):
+    """Outside any strategy, a merge_fn raising SystemExit (or KeyboardInterrupt)
+    makes merge_call raise it at once, the same object, as asyncio lets these
+    through. The call's future holds it too, and nothing reads that future, nor
+    ever closes the default context's group: asyncio logged "Future exception was
+    never retrieved" for what the caller had already got."""
+    raised = []
+
+    def merge_fn(strategy):
+        raised.append(exc_type(3))
+        raise raised[0]
+
+    with pytest.raises(exc_type) as info:
+        await aiodist.get_replica_context().merge_call(merge_fn)
+    assert info.value is raised.pop()
+    del info  # (the error's traceback holds the frame that made the future)
+    gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
 async def test_an_async_merge_fn_in_the_default_context_stops_when_its_caller_does():
     """Outside any strategy the caller is the merge_fn's only waiter: when it stops
     waiting (here asyncio.timeout), the merge_fn is cancelled instead of running on
