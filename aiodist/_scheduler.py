@@ -363,6 +363,18 @@ def _mark_retrieved(task: asyncio.Task) -> None:
         task.exception()
 
 
+def _retrieved_once_done() -> None:
+    """Have the current task's exception marked retrieved once it is done. For a
+    KeyboardInterrupt or SystemExit leaving the task's coroutine: raised in an eager
+    first step (Python 3.12+, or an eager task factory), it comes out of the task's
+    creation at once, and through it out of the run, which raises it; nothing else
+    reads the task, whose copy asyncio would log as "Task exception was never
+    retrieved"."""
+    task = asyncio.current_task()
+    if task is not None:
+        task.add_done_callback(_mark_retrieved)
+
+
 def task_names(slots: Sequence[ReplicaSlot]) -> tuple[str, ...]:
     """The names of the replicas' tasks, in slot order (a strategy keeps its own)."""
     return tuple(f"aiodist-replica-{slot.replica_id}" for slot in slots)
@@ -774,9 +786,7 @@ class RunGroup:
             # task's creation (see run), so the task never joins the run's list, whose
             # failures _drain marks retrieved: this one is, once done, or asyncio logs
             # "Task exception was never retrieved" for what run raised itself.
-            task = asyncio.current_task()
-            if task is not None:
-                task.add_done_callback(_mark_retrieved)
+            _retrieved_once_done()
 
     def _state(self, rid: int) -> _State:
         """Replica ``rid``'s context state in this run (a merge_fn's has no replica
@@ -1330,13 +1340,22 @@ class RunGroup:
         the rendezvous' own timeout no longer runs: ``timeout`` (timeout_seconds)
         bounds the merge_fn itself."""
         if timeout is None:
-            result = await coro
+            try:  # (costs nothing until it catches)
+                result = await coro
+            except (KeyboardInterrupt, SystemExit):
+                # Raised in the task's eager first step, it came out of the task's
+                # creation, and out of the merge_call of the replica that arrived
+                # last, failing its run (see _retrieved_once_done).
+                _retrieved_once_done()
+                raise
         else:
             scope = asyncio.timeout(timeout)
             try:
                 async with scope:
                     result = await coro
             except BaseException as exc:
+                if isinstance(exc, KeyboardInterrupt | SystemExit):  # (as above)
+                    _retrieved_once_done()
                 # expired() tells the scope's own cancellation from any other. The
                 # scope is not kept in this frame once merge_fn has failed: it holds
                 # this task, which holds the error leaving here, whose traceback

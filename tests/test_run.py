@@ -597,6 +597,83 @@ async def test_runs_under_an_eager_task_factory(three):
     assert three.statistics().runs_in_flight == 0 and not _own_tasks()
 
 
+class _EagerTask311(asyncio.Task):
+    """Python 3.11's stand-in for 3.12's ``Task(..., eager_start=True)``, on asyncio's
+    own loop: the first step runs inside the constructor, with the task current, and
+    a KeyboardInterrupt or SystemExit raised there comes out of it (the task holding
+    it too). (3.11's Task schedules its first step with loop.call_soon, which is
+    caught here and run at once instead.)"""
+
+    def __init__(self, coro, *, loop, **kwargs):
+        first = []
+        loop.call_soon = lambda step, *args, context: first.append((step, args, context))
+        try:
+            super().__init__(coro, loop=loop, **kwargs)
+        finally:
+            del loop.call_soon
+        [(step, args, context)] = first
+        current = asyncio.tasks._current_tasks  # (what 3.12 swaps for an eager step)
+        outer = current.pop(loop, None)
+        try:
+            context.run(step, *args)
+        finally:
+            if outer is not None:
+                current[loop] = outer
+
+
+def _eager_task_factory():
+    """asyncio's eager task factory (Python 3.12+), else a 3.11 stand-in for it
+    (asyncio's loop only: uvloop's call_soon cannot be caught)."""
+    if _FACTORY_KINDS["eager"]:
+        return _FACTORY_KINDS["eager"]
+    if not isinstance(asyncio.get_running_loop(), asyncio.BaseEventLoop):
+        pytest.skip("an eager task factory on Python 3.11 is emulated on asyncio's loop only")
+    return lambda loop, coro, **kwargs: _EagerTask311(coro, loop=loop, **kwargs)
+
+
+@pytest.mark.parametrize("factory", ["eager-factory", "no-factory"])
+@pytest.mark.parametrize("where", ["run", "run-with-timeout", "default-context"])
+@pytest.mark.parametrize("exc_type", [SystemExit, KeyboardInterrupt])
+async def test_an_async_merge_fns_system_exit_in_its_eager_first_step_is_not_logged(
+    caplog, exc_type, where, factory
+):
+    """An async merge_fn's task starts eagerly (with an eager task factory; without
+    one, natively on Python 3.12+, by aiodist's own first step on 3.11). A
+    SystemExit or KeyboardInterrupt raised in that first step comes out of the
+    task's creation, and out of the merge_call (and the run) at once, which raise
+    the same object. The task holds it too, and nothing read it: asyncio logged
+    "Task exception was never retrieved" for it (Python 3.12+, or a factory)."""
+    # (merge_fn's task runs under asyncio.timeout() with timeout_seconds)
+    options = aiodist.CommunicationOptions(timeout_seconds=60 if "timeout" in where else None)
+    strategy = aiodist.MirroredStrategy(cpu_devices(2), communication_options=options)
+    raised = []
+
+    async def merge_fn(strategy):
+        raised.append(exc_type(3))
+        raise raised[0]
+
+    async def fn():
+        return await aiodist.get_replica_context().merge_call(merge_fn)
+
+    if factory == "no-factory" and where != "default-context" and sys.version_info < (3, 12):
+        pytest.skip(
+            "replica tasks start eagerly on Python 3.12+ only (on 3.11 a SystemExit in a "
+            "replica's step stops the event loop itself, as asyncio does for any task)"
+        )
+    made_by = _eager_task_factory() if factory == "eager-factory" else None
+    with task_factory(made_by), pytest.raises(exc_type) as info:
+        if where.startswith("run"):
+            await strategy.run(fn)
+        else:
+            await fn()
+    assert info.value is raised.pop()
+    del info  # (the error's traceback holds the frames that hold the tasks)
+    await asyncio.sleep(0)  # (the tasks' done callbacks)
+    gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert strategy.statistics().runs_in_flight == 0 and not _own_tasks()
+
+
 async def test_a_task_factory_that_raises_for_a_merge_fn_fails_its_merge_call(two):
     def factory(loop, coro, *, context=None, **kwargs):
         if context.run(aiodist.in_cross_replica_context):  # the merge_fn's task
