@@ -189,6 +189,16 @@ def _async_generator_refused(fn: Callable) -> InvalidArgumentError:
     )
 
 
+def _async_generator_function(fn: Callable) -> bool:
+    """Whether calling ``fn``, a callable without code of its own, gives an async
+    generator: it is (a partial of) an async generator function, or an object (a
+    partial of one) whose class's ``__call__`` is one."""
+    while isinstance(fn, partial):  # (what inspect sees through, for __call__ too)
+        fn = fn.func
+    call = getattr(type(fn), "__call__", None)  # noqa: B004 (the function, not callable())
+    return inspect.isasyncgenfunction(fn) or inspect.isasyncgenfunction(call)
+
+
 @types.coroutine
 def _first_then_rest(coro: Any, group: RunGroup | None = None, number: int = 0) -> Any:
     """The coroutine of an async merge_fn's task on Python 3.11, started eagerly by
@@ -618,8 +628,9 @@ class RunGroup:
             if code is not None and code.co_flags & CO_ASYNC_GENERATOR:
                 raise _async_generator_refused(fn)
             # One without code of its own: a partial of one, or a partialmethod, which
-            # inspect sees through (a partial's run takes this path anyway).
-            if code is None and inspect.isasyncgenfunction(fn):
+            # inspect sees through (a partial's run takes this path anyway), or an
+            # object whose __call__ is one.
+            if code is None and _async_generator_function(fn):
                 raise _async_generator_refused(fn)
             coroutines = self._coroutines(fn, args, kwargs, is_async, plain_args)
             if not self._on_host:

@@ -335,6 +335,28 @@ async def test_an_async_generator_function_is_refused_naming_it(two):
     assert await two.run(lambda: 1.0) == 1.0  # the strategy is usable after
 
 
+class _Streamer:
+    """A callable object whose __call__ is an async generator function."""
+
+    async def __call__(self, scale=1.0):
+        yield scale
+
+    def __repr__(self) -> str:
+        return "<Streamer>"
+
+
+async def test_an_object_whose_call_is_an_async_generator_function_is_refused(two):
+    """As an async generator function is (above): the object, or a partial of it, gave
+    each replica's unstarted async generator back as its "result"."""
+    for fn, shown in [
+        (_Streamer(), "fn=<Streamer> is an async generator"),
+        (functools.partial(_Streamer(), 2.0), r"fn=functools.partial\(<Streamer>, 2.0\) is an"),
+    ]:
+        with pytest.raises(aiodist.InvalidArgumentError, match=shown):
+            await two.run(fn)
+    assert await two.run(lambda: 1.0) == 1.0  # the strategy is usable after
+
+
 async def test_per_replica_of_wrong_length_is_rejected(two, three):
     per3 = three.experimental_distribute_values_from_function(lambda ctx: 1)
 
