@@ -35,6 +35,7 @@ import asyncio
 import contextvars
 import inspect
 import sys
+import threading
 import types
 from asyncio import get_running_loop
 from collections.abc import Callable, Sequence
@@ -1417,11 +1418,15 @@ class DefaultGroup(RunGroup):
     cross-replica context, built from the caller's context at each call.
     """
 
-    _merge_task: asyncio.Task | None = None  # an async merge_fn's, while arrive() runs
-
     def __init__(self, strategy: Strategy, slots: tuple[ReplicaSlot, ...]):
         super().__init__(strategy, slots)
         self.context = ReplicaContext(strategy, 0, slots[0].device, default_group=self)
+        # An async merge_fn's task, from _merge to the end of the arrive() that made
+        # it: per thread, since every thread's calls come here, and between the two
+        # another thread's arrive() took the task, leaving the caller's merge_fn
+        # running on when the caller stopped waiting. (Within one thread nothing
+        # runs between them.)
+        self._made = threading.local()
         # Made now, not at the first collective as a run's is (RunGroup.rendezvous),
         # which would hand it the stall watchdog of the loop that happened to call
         # first: this group serves every loop, in every thread, for the life of the
@@ -1451,8 +1456,11 @@ class DefaultGroup(RunGroup):
         # (Held in a list emptied as it returns, not in a local: a merge_fn that raised
         # in this call has a traceback holding this frame, and a local future holding
         # that exception would make a cycle of every such call; see Rendezvous.arrive.)
+        made = self._made
+        made.task = None
         held = [super().arrive(replica_id, signature, payload, options)]
-        task, self._merge_task = self._merge_task, None
+        task = made.task
+        made.task = None
         if task is not None and not held[0].done():
             held[0].add_done_callback(partial(_cancel_with, task))
         return held.pop()
@@ -1460,7 +1468,7 @@ class DefaultGroup(RunGroup):
     def _merge(self, number: int, payloads: list[Payload], backend: Any, order: object) -> Any:
         result = super()._merge(number, payloads, backend, order)
         if isinstance(result, asyncio.Task):
-            self._merge_task = result
+            self._made.task = result
         return result
 
 

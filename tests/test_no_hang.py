@@ -7,6 +7,7 @@ turns such a regression into a failure instead of a stuck CI run.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import gc
 import inspect
@@ -1228,6 +1229,52 @@ async def test_an_async_merge_fn_in_the_default_context_stops_when_its_caller_do
         return x + 1
 
     assert await ctx.merge_call(quick_merge, args=(1,)) == 2
+
+
+async def test_a_default_context_merge_fn_is_cancelled_with_its_caller_whatever_other_threads_do():
+    """The default replica context serves every thread. Between the making of an
+    async merge_fn's task and its caller's future being tied to it, another
+    thread's merge_call there took the task (it was kept on the one default group,
+    shared by every thread) and the caller found none: when the caller stopped
+    waiting, its merge_fn ran on. Here the other thread's call is made at that point
+    for certain: from the merge task's add_done_callback (a task factory's Task),
+    which the main thread calls while it makes the call, and waits in."""
+    ctx = aiodist.get_replica_context()
+
+    async def other_threads_call():
+        return await ctx.merge_call(lambda strategy: "other")
+
+    calling = []  # while merge_call is called
+
+    class CallingOtherThread(asyncio.Task):
+        def add_done_callback(self, fn, *, context=None):
+            if calling:
+                other = calling[0].submit(asyncio.run, other_threads_call())
+                assert other.result(10) == "other"
+            super().add_done_callback(fn, context=context)
+
+    def factory(loop, coro, **kwargs):
+        return CallingOtherThread(coro, loop=loop, **kwargs)
+
+    events = []
+
+    async def slow_merge(strategy):
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            events.append("cancelled")
+            raise
+
+    with concurrent.futures.ThreadPoolExecutor(1) as other_thread, task_factory(factory):
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.02):
+                calling.append(other_thread)
+                pending = ctx.merge_call(slow_merge)
+                calling.clear()
+                await pending
+    await wait_until(lambda: events, "merge_fn cancelled", max_iterations=10)
+    assert events == ["cancelled"]
+    assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
 
 
 async def test_an_async_merge_fn_suspended_in_its_first_step_is_cancelled_with_its_run(two):
