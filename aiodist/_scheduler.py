@@ -710,7 +710,11 @@ class RunGroup:
                 await asyncio.sleep(0)
         except asyncio.CancelledError:
             self._cancel_all()
-            await self._drain()
+            try:
+                await self._drain()
+            finally:
+                if self._failure is not None:  # a failure the run will not raise
+                    self._report_unraised()
             raise
         except (KeyboardInterrupt, SystemExit) as exc:
             # Python 3.12+: a replica's first step, which runs as its task is made
@@ -779,6 +783,31 @@ class RunGroup:
             if result is not first:
                 return regroup(results, self.devices)
         return first
+
+    def _report_unraised(self) -> None:
+        """The run was cancelled, and raises CancelledError (as documented), not its
+        failure: a replica's error raised meanwhile (often its cleanup failing as it
+        is cancelled), or just before. Reported to the loop's exception handler, as
+        asyncio reports an error that nobody can receive, instead of dropped without
+        a trace (the replicas' tasks are marked retrieved: see _drain)."""
+        failure = self._take_failure()
+        who = "the run failed with"
+        for rid, task in enumerate(self._tasks):
+            if task.done() and not task.cancelled() and task.exception() is failure:
+                who = f"replica {self.strategy._replica_offset + rid} raised"
+                break
+        self._loop.call_exception_handler(
+            {
+                "message": (
+                    "strategy.run() was cancelled (its caller was, or an asyncio.timeout() "
+                    f"around it expired), so it raises CancelledError; meanwhile {who} "
+                    f"{type(failure).__name__}: {failure}, which is reported here instead. "
+                    "Handle errors in the replica function's cleanup (except "
+                    "asyncio.CancelledError:, finally:) if they are expected."
+                ),
+                "exception": failure,
+            }
+        )
 
     def _take_failure(self) -> BaseException:
         """The run's failure, which it no longer holds (see run)."""

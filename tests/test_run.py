@@ -753,6 +753,56 @@ async def test_timeout_around_run_leaves_nothing_running(two):
     assert not _own_tasks()
 
 
+@pytest.mark.parametrize("how", ["cancel", "asyncio.timeout"])
+async def test_a_replica_error_raised_as_the_run_is_cancelled_is_reported_not_lost(two, how):
+    """A cancelled run raises CancelledError (TimeoutError under asyncio.timeout), as
+    documented, not the error a replica raised meanwhile (here its cleanup fails as
+    it is cancelled). That error was dropped without a trace; it is reported to the
+    loop's exception handler, naming the replica, as asyncio reports an error nobody
+    can receive."""
+    loop = asyncio.get_running_loop()
+    reported = []
+    loop.set_exception_handler(lambda loop, context: reported.append(context))
+    waiting = []
+    failures = []
+
+    async def fn():
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        waiting.append(rid)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            if rid == 1:
+                failures.append(OSError("could not close the replica's file"))
+                raise failures[0] from None
+            raise
+
+    if how == "cancel":
+        caller = asyncio.create_task(two.run(fn))
+        await wait_until(lambda: len(waiting) == 2, "both replicas waiting")
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+    else:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.02):
+                await two.run(fn)
+    assert [context.get("exception") for context in reported] == failures
+    message = reported[0]["message"]
+    assert "strategy.run() was cancelled" in message
+    assert "replica 1 raised OSError" in message, message
+    assert not _own_tasks()
+    # A run cancelled with no replica failing reports nothing.
+    reported.clear()
+    caller = asyncio.create_task(two.run(_wait_until_cancelled, args=([], 0)))
+    await asyncio.sleep(0)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    loop.set_exception_handler(None)
+    assert reported == []
+
+
 async def test_concurrent_runs_on_one_strategy_never_mix(num_replicas):
     strategy = aiodist.MirroredStrategy(cpu_devices(num_replicas))
 
