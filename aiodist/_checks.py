@@ -8,6 +8,7 @@ import inspect
 import math
 import numbers
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -75,6 +76,20 @@ def not_callable(value: Any, message: str) -> InvalidArgumentError:
             "function itself (fn), not a call of it (fn())."
         )
     return InvalidArgumentError(message)
+
+
+def async_generator_function(fn: Callable) -> bool:
+    """Whether calling ``fn`` gives an async generator, which nothing would iterate
+    where a result is expected (run's fn, a merge_fn): ``fn`` is an async generator
+    function, a partial of one (or a partialmethod, which inspect sees through), or
+    an object (a partial of one) whose class's ``__call__`` is one."""
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        return bool(code.co_flags & inspect.CO_ASYNC_GENERATOR)
+    while isinstance(fn, partial):  # (what inspect sees through, for __call__ too)
+        fn = fn.func
+    call = getattr(type(fn), "__call__", None)  # noqa: B004 (the function, not callable())
+    return inspect.isasyncgenfunction(fn) or inspect.isasyncgenfunction(call)
 
 
 def whole_number(value: Any, name: str, minimum: int, hint: str = "") -> int:

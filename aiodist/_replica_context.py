@@ -34,7 +34,7 @@ from ._arrays import (
     structure_text,
 )
 from ._backends import cpu_backend
-from ._checks import not_callable, refuse_ragged
+from ._checks import async_generator_function, not_callable, refuse_ragged
 from ._errors import ContextError, InvalidArgumentError
 from ._ops import _BY_KEY, ReduceOp
 from ._options import CommunicationOptions
@@ -232,6 +232,12 @@ class ReplicaContext:
                     merge_fn,
                     f"merge_call: merge_fn={merge_fn!r} is not callable; expected a "
                     "function taking (strategy, *args, **kwargs).",
+                )
+            if async_generator_function(merge_fn):  # (every replica got its generator)
+                raise InvalidArgumentError(
+                    f"merge_call: merge_fn={merge_fn!r} is an async generator function "
+                    "(an async def with yield in it); expected a function or async def "
+                    "function that returns the merged value."
                 )
             signature = _merge_signature(merge_fn)
         if type(args) is not tuple:

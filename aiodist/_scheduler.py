@@ -40,13 +40,14 @@ import types
 from asyncio import get_running_loop
 from collections.abc import Callable, Sequence
 from functools import partial
-from inspect import CO_ASYNC_GENERATOR, CO_COROUTINE
+from inspect import CO_COROUTINE
 from operator import attrgetter
 from types import CoroutineType, GeneratorType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _nest, _trace
 from ._backends import cpu_backend
+from ._checks import async_generator_function
 from ._context import _State, set_state
 from ._devices import Device
 from ._errors import (
@@ -177,27 +178,6 @@ class _ReplicaTask(asyncio.Task):
             group, rid = arguments["group"], arguments["rid"]
             self.add_done_callback(partial(group._replica_task_ended, rid, _unstarted_chain(coro)))
         return super().cancel(msg)
-
-
-def _async_generator_refused(fn: Callable) -> InvalidArgumentError:
-    """The error for an async generator function passed to run: its replicas would
-    each "return" an async generator that nothing iterates."""
-    return InvalidArgumentError(
-        f"run: fn={fn!r} is an async generator function (an async def with yield in "
-        "it); expected an async def function that returns its result. Return the "
-        "values (a list of them) instead of yielding them, or run the step once per "
-        "value."
-    )
-
-
-def _async_generator_function(fn: Callable) -> bool:
-    """Whether calling ``fn``, a callable without code of its own, gives an async
-    generator: it is (a partial of) an async generator function, or an object (a
-    partial of one) whose class's ``__call__`` is one."""
-    while isinstance(fn, partial):  # (what inspect sees through, for __call__ too)
-        fn = fn.func
-    call = getattr(type(fn), "__call__", None)  # noqa: B004 (the function, not callable())
-    return inspect.isasyncgenfunction(fn) or inspect.isasyncgenfunction(call)
 
 
 @types.coroutine
@@ -626,13 +606,13 @@ class RunGroup:
                     _close_unstarted(coro)
                 raise
         else:
-            if code is not None and code.co_flags & CO_ASYNC_GENERATOR:
-                raise _async_generator_refused(fn)
-            # One without code of its own: a partial of one, or a partialmethod, which
-            # inspect sees through (a partial's run takes this path anyway), or an
-            # object whose __call__ is one.
-            if code is None and _async_generator_function(fn):
-                raise _async_generator_refused(fn)
+            if async_generator_function(fn):
+                raise InvalidArgumentError(
+                    f"run: fn={fn!r} is an async generator function (an async def with "
+                    "yield in it); expected an async def function that returns its "
+                    "result. Return the values (a list of them) instead of yielding "
+                    "them, or run the step once per value."
+                )
             coroutines = self._coroutines(fn, args, kwargs, is_async, plain_args)
             if not self._on_host:
                 # GPUs: the replicas' work waits for what the caller queued on the

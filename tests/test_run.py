@@ -357,6 +357,26 @@ async def test_an_object_whose_call_is_an_async_generator_function_is_refused(tw
     assert await two.run(lambda: 1.0) == 1.0  # the strategy is usable after
 
 
+async def test_merge_call_refuses_an_async_generator_function_as_merge_fn(two):
+    """Every replica received the merge_fn's unstarted async generator as the merged
+    value. It is refused as run refuses one, in a run and outside any strategy."""
+
+    async def merge_fn(strategy, value):
+        yield value
+
+    shown = r"merge_call: merge_fn=<function .*merge_fn.* is an async generator function"
+    for fn in (merge_fn, functools.partial(merge_fn), _Streamer()):
+
+        async def step(fn=fn):
+            return await aiodist.get_replica_context().merge_call(fn, args=(1,))
+
+        with pytest.raises(aiodist.InvalidArgumentError, match=r"is an async generator function"):
+            await two.run(step)
+    with pytest.raises(aiodist.InvalidArgumentError, match=shown):
+        await aiodist.get_replica_context().merge_call(merge_fn, args=(1,))  # the default
+    assert await two.run(lambda: 1.0) == 1.0  # the strategy is usable after
+
+
 async def test_per_replica_of_wrong_length_is_rejected(two, three):
     per3 = three.experimental_distribute_values_from_function(lambda ctx: 1)
 
