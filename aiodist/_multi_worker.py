@@ -1017,6 +1017,18 @@ class World:
             f"{self.who(w)}: {h['what']} (cross-worker operation #{h['order']})"
             for w, h in enumerate(headers)
         )
+        # Calls that read alike can still differ in what must agree (a variable's
+        # shape or dtype, an all_reduce's bytes_per_pack): then each one's key says it.
+        keys_by_text: dict[tuple, set] = {}
+        for h in headers:
+            keys_by_text.setdefault((h["what"], h["order"]), set()).add(h["key"])
+        alike = [w for w, h in enumerate(headers) if len(keys_by_text[h["what"], h["order"]]) > 1]
+        if alike:
+            seen += (
+                ". Where the calls read alike, what each must agree on differs ("
+                + "; ".join(f"{self.who(w)}: {headers[w]['key']}" for w in alike)
+                + ")"
+            )
         runs = [h["run"] for h in headers]
         if None not in runs and len(set(runs)) > 1:
             # Every run is numbered, those making no cross-worker call too.

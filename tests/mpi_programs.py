@@ -1347,6 +1347,32 @@ async def _variable_order(strategy: aiodist.Strategy) -> dict:
     return out
 
 
+async def _alike_mismatch(strategy: aiodist.Strategy) -> dict:
+    """Worker 1 creates a variable of another shape, then one of another dtype, then
+    calls an all_reduce with another bytes_per_pack: calls that read alike on every
+    worker. Before, the mismatch showed the same text for both workers, and not
+    what differed."""
+    out = {}
+    other = strategy.worker_index == 1
+    with strategy.scope():
+        for case, value in (
+            ("shape", np.zeros(3 if other else 2)),
+            ("dtype", np.zeros(2, np.float32 if other else np.float64)),
+        ):
+            try:
+                aiodist.Variable(value, name="v")
+            except aiodist.CollectiveMismatchError as exc:
+                out[case] = str(exc)
+
+    async def step():
+        packs = aiodist.CommunicationOptions(bytes_per_pack=16 if other else 0)
+        return await aiodist.get_replica_context().all_reduce("sum", [1.0, 2.0], options=packs)
+
+    out["packs"] = (await _outcome(strategy, strategy.run(step)))[1]
+    out["reduce"] = _plain(await strategy.reduce("sum", np.float64(1), axis=None))
+    return out
+
+
 async def plain_values(strategy: aiodist.Strategy) -> dict:
     """strategy.reduce and reduce_to of a value that is not distributed: each
     outcome (the result, or the error's class and message), then a reduce that
@@ -1403,6 +1429,7 @@ _BOUNDED = (
     "stray_call",
     "global_ids",
     "variable_order",
+    "alike_mismatch",
 )  # a 30 s timeout: failing at once shows
 
 
@@ -1477,6 +1504,7 @@ def main() -> None:
         "plain_values": plain_values,
         "global_ids": _global_ids,
         "variable_order": _variable_order,
+        "alike_mismatch": _alike_mismatch,
     }[mode]
     _report(strategy, _run(work(strategy)))
 

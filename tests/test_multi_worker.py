@@ -647,6 +647,24 @@ def test_variables_created_in_another_order_on_one_worker_are_a_mismatch():
         assert result["c"] == [1.0, 1.0] and result["reduce"] == 2.0, result
 
 
+def test_a_mismatch_of_calls_that_read_alike_names_what_differs():
+    """Variables of one name but another shape or dtype, and all_reduces of one
+    value with another bytes_per_pack: before, the message showed the same text
+    for both workers, and nothing of what differed."""
+    rc, results, output, _ = _program(2, "alike_mismatch", [1, 1])
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == [0, 1], output[-3000:]
+    for result in results.values():
+        differs = "what each must agree on differs (worker 0 (replica 0): "
+        assert differs + "broadcast <f8(2,) of 'v'; " in result["shape"], result
+        assert "worker 1 (replica 1): broadcast <f8(3,) of 'v')" in result["shape"], result
+        assert differs + "broadcast <f8(2,) of 'v'; " in result["dtype"], result
+        assert "worker 1 (replica 1): broadcast <f4(2,) of 'v')" in result["dtype"], result
+        assert "bytes_per_pack=0; worker 1 (replica 1): " in result["packs"], result
+        assert result["packs"].count("bytes_per_pack=16)") == 1, result
+        assert result["reduce"] == 2.0, result
+
+
 def test_input_contexts_name_workers_and_global_replicas():
     rc, results, output, _ = _program(2, "inputs", [2, 1])
     assert rc == 0, output[-3000:]
