@@ -1366,19 +1366,21 @@ class World:
         self, op: ReduceOp, buffer: np.ndarray, what: str, timeout: float | None
     ) -> np.ndarray:
         """``buffer`` (this worker's contiguous share) reduced with ``op`` across workers."""
-        start, finish = self._all_reduce_call(op, buffer, what)
+        start, finish = self._all_reduce_call(op, buffer)
         await self._data(start, what, timeout)
         return finish()
 
-    def _all_reduce_call(self, op: ReduceOp, buffer: np.ndarray, what: str) -> tuple:
+    def _all_reduce_call(self, op: ReduceOp, buffer: np.ndarray) -> tuple:
         """(``start``: posts the ``Iallreduce``, ``finish``: its result) for ``buffer``.
 
         MIN and MAX of floats are not left to MPI: its MIN/MAX of NaN or of -0.0
         and 0.0 depends on the operand order and differs from NumPy's (a NaN was
-        dropped on one worker and kept on another). Every worker's share is
-        gathered instead and folded with ``np.minimum``/``np.maximum`` in worker
-        order, which gives one process's result over the replicas in order."""
-        if op in (ReduceOp.MIN, ReduceOp.MAX) and buffer.dtype.kind == "f":
+        dropped on one worker and kept on another). Nor of complex values, which
+        MPI's MIN/MAX do not take, and NumPy orders lexicographically (as one
+        process reduces them). Every worker's share is gathered instead and
+        folded with ``np.minimum``/``np.maximum`` in worker order, which gives one
+        process's result over the replicas in order."""
+        if op in (ReduceOp.MIN, ReduceOp.MAX) and buffer.dtype.kind in "fc":
             share = np.array(buffer, order="C", copy=None).reshape(-1)
             every = np.empty((self.size, share.size), share.dtype)
             BYTE = self.MPI.BYTE
@@ -1392,7 +1394,7 @@ class World:
                 return total.reshape(buffer.shape)
 
             return lambda: self.comm.Iallgather([raw, BYTE], [out, BYTE]), fold
-        send, restore = _travel(buffer, op, what)
+        send, restore = _travel(buffer)
         out = np.empty_like(send)
         mpi_op = getattr(self.MPI, _MPI_OPS[op])
         return lambda: self.comm.Iallreduce(send, out, op=mpi_op), lambda: restore(out)
@@ -1484,7 +1486,7 @@ class World:
     ) -> np.ndarray:
         """``all_reduce`` for synchronous code, headers included (shapes must agree)."""
         self.agree_now(what, f"all_reduce {op.name} {buffer.dtype.str}{buffer.shape}", timeout)
-        start, finish = self._all_reduce_call(op, buffer, what)
+        start, finish = self._all_reduce_call(op, buffer)
         self._data_now(start, what, timeout)
         return finish()
 
@@ -1493,12 +1495,12 @@ def _broadcast_key(array: np.ndarray) -> str:
     return f"broadcast {array.dtype.str}{array.shape}"
 
 
-def _travel(buffer: np.ndarray, op: ReduceOp, what: str) -> tuple:
+def _travel(buffer: np.ndarray) -> tuple:
     """The array MPI reduces for ``buffer``, and how to turn the result back.
 
     MPI has no half floats and no MIN/MAX of C booleans: float16 travels as
-    float32 and bool as uint8. Complex values have no order, so only SUM, MEAN
-    and PRODUCT reduce them.
+    float32 and bool as uint8. (MIN and MAX of floats and complex values never
+    come here: ``_all_reduce_call`` folds them itself.)
     """
     buffer = np.array(buffer, order="C", copy=None)  # (ascontiguousarray makes 0-d 1-d)
     kind = buffer.dtype
@@ -1506,11 +1508,6 @@ def _travel(buffer: np.ndarray, op: ReduceOp, what: str) -> tuple:
         return buffer.astype(np.float32), lambda out: out.astype(np.float16)
     if kind == np.bool_:
         return buffer.view(np.uint8), lambda out: out.view(np.bool_)
-    if kind.kind == "c" and op in (ReduceOp.MIN, ReduceOp.MAX):
-        raise InvalidArgumentError(
-            f"{what}: cannot {op.name} complex values across workers (they have no order); "
-            "use SUM, MEAN or PRODUCT."
-        )
     return buffer, lambda out: out
 
 

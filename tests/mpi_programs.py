@@ -351,6 +351,35 @@ async def min_max(strategy: aiodist.Strategy) -> dict:
     }
 
 
+async def complex_min_max(strategy: aiodist.Strategy) -> dict:
+    """MIN and MAX of complex values (NumPy orders them lexicographically, as one
+    process reduces them), in replicas and across them; as text. Run in one
+    process too, to compare."""
+
+    def value(rid: int, dtype: type) -> np.ndarray:
+        return np.array([rid + 1j, 2 - rid * 1j, 1 + (rid % 2) * 1j], dtype)
+
+    async def step():
+        ctx = aiodist.get_replica_context()
+        rid = ctx.replica_id_in_sync_group
+        out = {}
+        for dtype in (np.complex128, np.complex64):
+            for op in ("min", "max"):
+                out[f"{op} {dtype.__name__}"] = await ctx.all_reduce(op, value(rid, dtype))
+        return {k: repr(v.tolist()) for k, v in out.items()}
+
+    results = strategy.experimental_local_results(await strategy.run(step))
+    with strategy.scope():
+        values = strategy.experimental_distribute_values_from_function(
+            lambda ctx: value(ctx.replica_id_in_sync_group, np.complex128)
+        )
+        reduced = {op: await strategy.reduce(op, values, axis=None) for op in ("min", "max")}
+    return {
+        "in_replicas": results[0],
+        "reduce": {k: repr(v.tolist()) for k, v in reduced.items()},
+    }
+
+
 async def _long_headers(strategy: aiodist.Strategy) -> list:
     """An all_gather of 800 leaves whose lengths differ between workers (9 rows
     on worker 0, 10 on the others): its header is longer on some workers."""
@@ -1486,6 +1515,7 @@ def main() -> None:
         "finalizer_on_thread": _finalizer_on_thread,
         "long_headers": _long_headers,
         "min_max": min_max,
+        "complex_min_max": complex_min_max,
         "give_up": _give_up_mid_operation,
         "compute": compute,
         "inputs": _inputs,

@@ -152,6 +152,25 @@ def test_min_and_max_of_nan_and_signed_zeros_equal_one_process_on_every_worker(c
         assert result == expected
 
 
+@pytest.mark.parametrize("counts", [[1, 1], [2, 1, 1]], ids=["2x1", "3-uneven"])
+def test_min_and_max_of_complex_values_equal_one_process_on_every_worker(counts):
+    """One process reduces complex MIN/MAX (NumPy's lexicographic order); across
+    workers every one of them raised InvalidArgumentError ('cannot MAX complex
+    values across workers (they have no order)')."""
+    rc, results, output, _ = _program(len(counts), "complex_min_max", counts)
+    assert rc == 0, output[-3000:]
+    from tests.mpi_programs import complex_min_max
+
+    strategy = aiodist.MirroredStrategy([f"cpu:{i}" for i in range(sum(counts))])
+    expected = aiodist.run(complex_min_max(strategy))
+    last = sum(counts) - 1  # (lexicographic: the real parts first)
+    assert expected["reduce"]["max"] == repr([complex(last, 1), (2 + 0j), (1 + 1j)])
+    assert expected["reduce"]["min"] == repr([1j, complex(2, -last), (1 + 0j)])
+    assert sorted(results) == list(range(len(counts))), output[-3000:]
+    for result in results.values():
+        assert result == expected
+
+
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_headers_of_different_lengths_on_each_worker_are_exchanged(loop):
     """Before, a 4 KiB header limit refused the call on the workers whose shapes
