@@ -1009,7 +1009,10 @@ class World:
         return [headers[w] for w in range(self.size)]
 
     def _check(self, headers: list[dict], what: str) -> None:
-        if len({(h["order"], h["key"]) for h in headers}) == 1:
+        # The run too: a cross-replica call's key has none (a collective's has), and
+        # a merge_fn's strategy.reduce in one worker's run would otherwise pair with
+        # a strategy.reduce outside any run on another, silently.
+        if len({(h["order"], h["key"], h["run"]) for h in headers}) == 1:
             return
         mine = headers[self.rank]
         self._run_failed(mine["run"], mine["order"])  # (every worker sees this mismatch)
@@ -1030,11 +1033,14 @@ class World:
                 + ")"
             )
         runs = [h["run"] for h in headers]
-        if None not in runs and len(set(runs)) > 1:
+        if len(set(runs)) > 1:
             # Every run is numbered, those making no cross-worker call too.
             seen += (
                 ". The workers are at different runs ("
-                + ", ".join(f"{self.who(w)}: run {r}" for w, r in enumerate(runs))
+                + ", ".join(
+                    f"{self.who(w)}: " + ("outside any run" if r is None else f"run {r}")
+                    for w, r in enumerate(runs)
+                )
                 + "): every worker must make the same strategy.run calls, those that "
                 "make no cross-worker call included; runs made on one worker only (a "
                 "Batcher serving each worker's own requests) need a strategy of their own"

@@ -1402,6 +1402,26 @@ async def _alike_mismatch(strategy: aiodist.Strategy) -> dict:
     return out
 
 
+async def _run_on_one_worker(strategy: aiodist.Strategy) -> dict:
+    """Worker 0 makes a run whose merge_fn calls strategy.reduce (a chief-only step);
+    worker 1 calls strategy.reduce of the same shape outside any run. Then every
+    worker reduces alike. Before, the two first reductions paired silently: 15.0
+    on both workers, each with the other's value."""
+
+    async def step():
+        async def merge_fn(strategy):
+            return await strategy.reduce("sum", np.float64(10), axis=None)
+
+        return await aiodist.get_replica_context().merge_call(merge_fn)
+
+    if strategy.worker_index == 0:
+        first = await _outcome(strategy, strategy.run(step))
+    else:
+        first = await _outcome(strategy, strategy.reduce("sum", np.float64(5), axis=None))
+    after = await strategy.reduce("sum", np.float64(1), axis=None)
+    return {"first": first, "after": _plain(after)}
+
+
 async def plain_values(strategy: aiodist.Strategy) -> dict:
     """strategy.reduce and reduce_to of a value that is not distributed: each
     outcome (the result, or the error's class and message), then a reduce that
@@ -1459,6 +1479,7 @@ _BOUNDED = (
     "global_ids",
     "variable_order",
     "alike_mismatch",
+    "run_on_one_worker",
 )  # a 30 s timeout: failing at once shows
 
 
@@ -1535,6 +1556,7 @@ def main() -> None:
         "global_ids": _global_ids,
         "variable_order": _variable_order,
         "alike_mismatch": _alike_mismatch,
+        "run_on_one_worker": _run_on_one_worker,
     }[mode]
     _report(strategy, _run(work(strategy)))
 

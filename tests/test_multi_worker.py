@@ -684,6 +684,22 @@ def test_a_mismatch_of_calls_that_read_alike_names_what_differs():
         assert result["reduce"] == 2.0, result
 
 
+def test_a_merge_fn_reduce_never_pairs_with_a_reduce_outside_any_run():
+    """A run made on worker 0 only, whose merge_fn reduces, met worker 1's
+    strategy.reduce of one shape outside any run: the headers' run numbers were
+    not compared for cross-replica calls, so both returned 15.0, silently."""
+    rc, results, output, _ = _program(2, "run_on_one_worker", [1, 1])
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == [0, 1], output[-3000:]
+    for result in results.values():
+        assert result["first"][0] == "CollectiveMismatchError", result
+        assert (
+            "The workers are at different runs (worker 0 (replica 0): run 1, "
+            "worker 1 (replica 1): outside any run)"
+        ) in result["first"][1], result
+        assert result["after"] == 2.0, result
+
+
 def test_input_contexts_name_workers_and_global_replicas():
     rc, results, output, _ = _program(2, "inputs", [2, 1])
     assert rc == 0, output[-3000:]
