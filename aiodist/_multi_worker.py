@@ -372,6 +372,14 @@ _current_turn: contextvars.ContextVar[_Turn | None] = contextvars.ContextVar(
     "aiodist_mpi_turn", default=None
 )
 
+# In the task whose cross-worker operation finished after that task was cancelled,
+# what the operation failed with (its message: no traceback kept), if it failed
+# losing the order (a timeout): a merge_fn cancelled at its timeout then names the
+# workers it waited for (_WorkerGroup._merged), not only its own slowness.
+_failed_after_cancel: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "aiodist_mpi_failed_after_cancel", default=None
+)
+
 
 class _Posted(NamedTuple):
     """One header exchange in flight: this worker's header, the peers' buffers, the
@@ -798,6 +806,9 @@ class World:
                 task.add_done_callback(functools.partial(self._finished_after_failing, what))
                 raise
             self._finished_after_failing(what, task)
+            failure = None if task.cancelled() else task.exception()
+            if isinstance(failure, RendezvousError) and not isinstance(failure, ReplicaExitedError):
+                _failed_after_cancel.set(str(failure.args[0]))
             raise
 
     async def _finish_cancelled(self, task: asyncio.Task, turn: _Turn) -> None:
@@ -1655,6 +1666,26 @@ class _WorkerGroup(RunGroup):
         if made:
             rendezvous.first_id = self.strategy._replica_offset
         return rendezvous
+
+    async def _merged(self, coro: Any, number: int, timeout: float | None) -> list:
+        """``RunGroup._merged``; where merge_fn's timeout cancelled it in a
+        cross-worker operation (a strategy.reduce, a variable's aggregated
+        update) that then failed waiting for the other workers, the error names
+        them, as that operation's own does: their timeouts are one, and merge_fn's
+        started first, so it always expired first, blaming merge_fn's speed."""
+        _failed_after_cancel.set(None)  # (in merge_fn's own context: none before it)
+        try:
+            return await super()._merged(coro, number, timeout)
+        except RendezvousTimeoutError:
+            failure = _failed_after_cancel.get()
+            if failure is None or timeout is None:
+                raise
+        # (Raised outside the handler, as RunGroup._merged's: no __context__ held.)
+        raise RendezvousTimeoutError(
+            f"merge_call #{number}: merge_fn did not finish within {timeout:g} s "
+            "(CommunicationOptions.timeout_seconds) and was cancelled while it waited "
+            f"for the other workers: {failure}"
+        )
 
     def _collective(self, number: int, signature: Any, payloads: list) -> Any:
         self._count_bytes(signature.name, payloads)

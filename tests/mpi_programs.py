@@ -321,6 +321,24 @@ async def _failing(mode: str, strategy: aiodist.Strategy) -> None:
         _report(strategy, {"error": None})
 
 
+async def _stuck_in_update(strategy: aiodist.Strategy) -> dict:
+    """Worker 1 stops (SIGSTOP) before a variable's aggregated update, whose
+    merge_fn reduces across workers; both are bounded by the 1.5 s timeout, and
+    merge_fn's expired first. Before, worker 0's run raised only that merge_fn
+    had not finished in time ("make it faster"), naming no worker."""
+    with strategy.scope():
+        counter = aiodist.Variable(0.0, aggregation="sum", name="counter")
+    started = time.monotonic()
+
+    async def step():
+        if strategy.worker_index == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        await counter.assign_add(1.0)
+
+    outcome = await _outcome(strategy, strategy.run(step))
+    return {"outcome": outcome, "after": time.monotonic() - started}
+
+
 async def min_max(strategy: aiodist.Strategy) -> dict:
     """MIN and MAX of floats holding NaN, -0.0 and 0.0 (a diverged loss, signed
     zeros), in replicas and across them; as text, so the sign of a zero and a
@@ -1497,6 +1515,10 @@ def main() -> None:
     if mode == "background_fails":
         strategy = _strategy(counts, timeout=1.5)
         _report(strategy, _run(_background_fails(strategy)))
+        return
+    if mode == "stuck_in_update":
+        strategy = _strategy(counts, timeout=1.5)
+        _report(strategy, _run(_stuck_in_update(strategy)))
         return
     if mode in ("mismatch", "stop", "kill"):
         strategy = _strategy(counts, timeout=1.5)

@@ -256,6 +256,21 @@ def test_an_unresponsive_worker_makes_the_others_fail_within_the_timeout(loop):
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_worker_missing_from_a_variable_update_is_named_not_merge_fn(loop):
+    """A variable's aggregated update reduces across workers in its merge_fn, and
+    merge_fn's timeout, started first, always expired first: worker 0's run raised
+    'merge_fn did not finish within 1.5 s ... make it faster', naming no worker."""
+    rc, results, output, seconds = _program(2, "stuck_in_update", [1, 1], loop=loop)
+    assert sorted(results) == [0], output[-3000:]
+    error, message = results[0]["outcome"]
+    assert error == "RendezvousTimeoutError", message
+    assert "merge_fn did not finish within 1.5 s" in message, message
+    assert "waiting for worker 1 (replica 1); worker 0 (replica 0) arrived" in message, message
+    assert 1.4 <= results[0]["after"] < 5.0
+    assert rc != 0 and seconds < 30  # the order is lost: the job ends with MPI_Abort
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_a_run_failing_on_one_worker_fails_on_every_worker_and_the_next_run_pairs(loop):
     """Worker 1's replica 2 raises before the all_reduce of run 1. Before, worker
     0's run 1 paired with worker 1's run 2 (wrong sums, then a timeout); now every
