@@ -79,6 +79,7 @@ from ._checks import options_or_default, whole_number
 from ._devices import HOST as _HOST
 from ._devices import Device
 from ._errors import (
+    AiodistError,
     CollectiveMismatchError,
     ContextError,
     DeviceError,
@@ -2052,6 +2053,24 @@ class MultiWorkerMirroredStrategy(Strategy):
             return value, False
         return PerReplica([value] * len(self._slots), self._devices), True
 
+    async def _tell_refusal(self, what: str, exc: Exception, timeout: float | None) -> None:
+        """A cross-replica call (``what``) outside any run was refused on this worker
+        before its header was sent (values of another shape on one worker): it
+        still takes its place in the order, with a header no call of the others can
+        match, so they raise at once (``CollectiveMismatchError``, naming this
+        refusal) instead of waiting for this worker until their timeout, which
+        lost the order for good. The caller then raises its own error. In a run,
+        the run's failure header tells them already."""
+        world = self._world
+        if world.size == 1 or world._run_now() is not None:
+            return
+        text = exc.args[0] if isinstance(exc, AiodistError) and exc.args else str(exc)
+        what = f"{what}, which it refused: {type(exc).__name__}: {text}"
+        # (An error here: the others made the call, and raise too; or the strategy is
+        # closed, or the order lost. This worker's own error says what went wrong.)
+        with contextlib.suppress(AiodistError):
+            await world.operate(what, lambda: world.agree(what, "refused", timeout), self)
+
     async def _reduce_across(
         self,
         op: ReduceOp,
@@ -2067,30 +2086,34 @@ class MultiWorkerMirroredStrategy(Strategy):
         local_op = ReduceOp.SUM if op is ReduceOp.MEAN else op
         totals, counts = [], []
         ambiguous = None  # (why this worker refuses the reduction, if it does)
-        for value in values:
-            refuse_structure(value, method.removeprefix("extended."))
-            local_values, copied = self._per_local_replica(value)
-            if copied and op in (ReduceOp.SUM, ReduceOp.PRODUCT):
-                # One machine refuses this (StrategyExtended._distributed): a value that
-                # is not distributed may be one replica's value or every replica's. Told
-                # in the header, so every worker refuses it at this place alike (one
-                # that holds a single replica takes such a value as its replica's, and
-                # would wait for this worker's data step until the timeout).
-                ambiguous = f"{type(value).__name__} for its {len(self._slots)} replicas"
-            parts = await self._host_components(local_values, method)
-            # The checks and per-replica reductions of strategy.reduce (MEAN: sums).
-            parts, count = _local_parts(op, parts, axis)
-            parts = [np.asarray(p) for p in parts]
-            if op is ReduceOp.MEAN:  # summed here, divided below: integers as float64
-                parts = [mean_operand(p) for p in parts]
-            local = self.extended._cross_device_ops._reduce_arrays(
-                local_op,
-                parts,
-                _HOST,  # host parts: reduced there
-            )
-            totals.append(np.asarray(local))
-            counts.append(count)
         along = "" if axis is None else f", axis={axis!r}"
+        try:
+            for value in values:
+                refuse_structure(value, method.removeprefix("extended."))
+                local_values, copied = self._per_local_replica(value)
+                if copied and op in (ReduceOp.SUM, ReduceOp.PRODUCT):
+                    # One machine refuses this (StrategyExtended._distributed): a value that
+                    # is not distributed may be one replica's value or every replica's. Told
+                    # in the header, so every worker refuses it at this place alike (one
+                    # that holds a single replica takes such a value as its replica's, and
+                    # would wait for this worker's data step until the timeout).
+                    ambiguous = f"{type(value).__name__} for its {len(self._slots)} replicas"
+                parts = await self._host_components(local_values, method)
+                # The checks and per-replica reductions of strategy.reduce (MEAN: sums).
+                parts, count = _local_parts(op, parts, axis)
+                parts = [np.asarray(p) for p in parts]
+                if op is ReduceOp.MEAN:  # summed here, divided below: integers as float64
+                    parts = [mean_operand(p) for p in parts]
+                local = self.extended._cross_device_ops._reduce_arrays(
+                    local_op,
+                    parts,
+                    _HOST,  # host parts: reduced there
+                )
+                totals.append(np.asarray(local))
+                counts.append(count)
+        except Exception as exc:  # refused here: the others are told at once
+            await self._tell_refusal(f"{method}({op.name}{along})", exc, timeout)
+            raise
         what = f"{method}({op.name}, {', '.join(map(leaf_text, totals))}{along})"
         # The method and axis too: strategy.reduce on one worker and reduce_to (or
         # batch_reduce_to, or a reduce along an axis) on another, with results of one
@@ -2121,8 +2144,12 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     async def gather(self, value: Any, axis: int) -> Any:
         """``Strategy.gather`` over every worker's replicas, in global replica order."""
-        local = await super().gather(value, axis)
         timeout = self._communication_options.timeout_seconds
+        try:
+            local = await super().gather(value, axis)
+        except Exception as exc:  # refused here: the others are told at once
+            await self._tell_refusal(f"strategy.gather(axis={axis!r})", exc, timeout)
+            raise
         what = f"strategy.gather(axis={axis}, {leaf_text(local)})"
         shape = list(local.shape)
         shape[axis] = -1

@@ -1440,6 +1440,33 @@ async def _run_on_one_worker(strategy: aiodist.Strategy) -> dict:
     return {"first": first, "after": _plain(after)}
 
 
+async def _refused_on_one_worker(strategy: aiodist.Strategy) -> dict:
+    """strategy.reduce (axis=0) and strategy.gather of values that worker 1 refuses
+    on its own (rank-0 values; shapes differing off the gathered axis) while worker
+    0 accepts its own; then every worker reduces alike. Before, worker 1 raised
+    without sending a header, and worker 0 waited for it until the timeout (30 s
+    here, 300 s by default), after which the order was lost for good."""
+    started = time.monotonic()
+    other = strategy.worker_index == 1
+
+    def rows(ctx: aiodist.ValueContext) -> np.ndarray:
+        return np.ones(()) if other else np.ones(2)
+
+    def blocks(ctx: aiodist.ValueContext) -> np.ndarray:
+        return np.ones((2, 1 + ctx.replica_id_in_sync_group if other else 2))
+
+    out = {}
+    with strategy.scope():
+        values = strategy.experimental_distribute_values_from_function(rows)
+        out["reduce"] = await _outcome(strategy, strategy.reduce("sum", values, axis=0))
+        values = strategy.experimental_distribute_values_from_function(blocks)
+        out["gather"] = await _outcome(strategy, strategy.gather(values, axis=0))
+        ones = strategy.experimental_distribute_values_from_function(lambda ctx: np.ones(1))
+        out["after"] = _plain(await strategy.reduce("sum", ones, axis=None))
+    out["seconds"] = time.monotonic() - started
+    return out
+
+
 async def plain_values(strategy: aiodist.Strategy) -> dict:
     """strategy.reduce and reduce_to of a value that is not distributed: each
     outcome (the result, or the error's class and message), then a reduce that
@@ -1498,6 +1525,7 @@ _BOUNDED = (
     "variable_order",
     "alike_mismatch",
     "run_on_one_worker",
+    "refused_on_one_worker",
 )  # a 30 s timeout: failing at once shows
 
 
@@ -1579,6 +1607,7 @@ def main() -> None:
         "variable_order": _variable_order,
         "alike_mismatch": _alike_mismatch,
         "run_on_one_worker": _run_on_one_worker,
+        "refused_on_one_worker": _refused_on_one_worker,
     }[mode]
     _report(strategy, _run(work(strategy)))
 

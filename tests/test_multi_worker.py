@@ -715,6 +715,32 @@ def test_a_merge_fn_reduce_never_pairs_with_a_reduce_outside_any_run():
         assert result["after"] == 2.0, result
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_cross_replica_call_refused_on_one_worker_fails_at_once_on_every_worker(loop):
+    """Before, the worker that refused its values raised without sending a header:
+    the others waited for it until their timeout, and the order was lost."""
+    rc, results, output, _ = _program(2, "refused_on_one_worker", [1, 2], loop=loop)
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == [0, 1], output[-3000:]
+    ours, theirs = results[1], results[0]
+    assert ours["reduce"][0] == "InvalidArgumentError", ours
+    assert "axis=0 for rank-0 values" in ours["reduce"][1], ours
+    assert ours["gather"][0] == "InvalidArgumentError", ours
+    assert "shapes may differ only along axis 0" in ours["gather"][1], ours
+    assert theirs["reduce"][0] == "CollectiveMismatchError", theirs
+    assert (
+        "worker 1 (replicas 1-2): strategy.reduce(SUM, axis=0), which it refused: "
+        "InvalidArgumentError: reduce: axis=0 for rank-0 values"
+    ) in theirs["reduce"][1], theirs
+    assert theirs["gather"][0] == "CollectiveMismatchError", theirs
+    assert (
+        "worker 1 (replicas 1-2): strategy.gather(axis=0), which it refused: "
+        "InvalidArgumentError: gather: shapes may differ only along axis 0"
+    ) in theirs["gather"][1], theirs
+    for result in results.values():
+        assert result["after"] == [3.0] and result["seconds"] < 10, result
+
+
 def test_input_contexts_name_workers_and_global_replicas():
     rc, results, output, _ = _program(2, "inputs", [2, 1])
     assert rc == 0, output[-3000:]
