@@ -1450,12 +1450,20 @@ class World:
         return buffer
 
     async def broadcast(
-        self, array: np.ndarray, what: str, timeout: float | None, owner: object = None
+        self,
+        array: np.ndarray,
+        what: str,
+        timeout: float | None,
+        owner: object = None,
+        name: str | None = None,
     ) -> np.ndarray:
         """``broadcast_now`` without blocking the loop."""
+        key = _broadcast_key(array)
+        if name is not None:
+            key = f"{key} of {name}"
 
         async def body() -> np.ndarray:
-            await self.agree(what, _broadcast_key(array), timeout)
+            await self.agree(what, key, timeout)
             buffer, start = self._broadcast_call(array)
             await self._data(start, what, timeout)
             return buffer

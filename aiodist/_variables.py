@@ -880,12 +880,17 @@ class MirroredVariable(Variable):
         # On the host, for the exchange between workers: GPU values copied in stream
         # order while the loop keeps running (host_array's get() would wait on it).
         local = PerReplica(tuple(_replica_values(strategy, per_replica)))
+        # The variable and the write are in the exchange's key, as a variable's name
+        # is when it is created: two workers updating two variables of one shape (or
+        # one with assign, another with assign_add) would otherwise pair silently, and
+        # the mirrored copies of each differ between workers.
+        method = f"{self._name}.{kind}"
         parts = await strategy._host_components(local, f"{self._name}.{kind}()")
         if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             # Global replica 0 is worker 0's first: its value, sent to every worker.
             timeout = strategy._communication_options.timeout_seconds
             what = f"{self._name}: the first replica's value (ONLY_FIRST_REPLICA)"
-            return await strategy._world.broadcast(parts[0], what, timeout, strategy)
+            return await strategy._world.broadcast(parts[0], what, timeout, strategy, method)
         parts = self._shaped(kind, parts, strategy._replica_offset)
         if self._exact_mean_of(parts):
             n = strategy.num_replicas_in_sync  # every worker's replicas
@@ -895,10 +900,11 @@ class MirroredVariable(Variable):
                 [PerReplica([s[0] for s in sums]), PerReplica([s[1] for s in sums])],
                 None,
                 None,
+                method,
             )
             return _mean_of_sums(q, r, n, self.dtype)
         op = ReduceOp.SUM if self._aggregation is VariableAggregation.SUM else ReduceOp.MEAN
-        (total,) = await strategy._reduce_across(op, [PerReplica(parts)], None, None)
+        (total,) = await strategy._reduce_across(op, [PerReplica(parts)], None, None, method)
         return total
 
     def _shaped(self, kind: str, parts: list, first_id: int = 0, xp: Any = np) -> list:

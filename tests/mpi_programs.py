@@ -1467,6 +1467,30 @@ async def _refused_on_one_worker(strategy: aiodist.Strategy) -> dict:
     return out
 
 
+async def _updates_differ(strategy: aiodist.Strategy) -> dict:
+    """In one run, worker 0 writes v with assign and worker 1 with assign_add;
+    then worker 0 assigns f and worker 1 g (ONLY_FIRST_REPLICA, one shape). Before,
+    each pair of updates exchanged as one: v became 2 on worker 0 and 7 on worker
+    1, and f 1 on worker 0 while it stayed 0 on worker 1, silently."""
+    other = strategy.worker_index == 1
+    with strategy.scope():
+        v = aiodist.Variable(np.full(2, 5.0), aggregation="sum", name="v")
+        f = aiodist.Variable(np.zeros(2), aggregation="only_first_replica", name="f")
+        g = aiodist.Variable(np.zeros(2), aggregation="only_first_replica", name="g")
+
+    async def write_v():
+        await (v.assign_add if other else v.assign)(np.ones(2))
+
+    async def write_f_or_g():
+        await (g if other else f).assign(np.ones(2))
+
+    return {
+        "v": await _outcome(strategy, strategy.run(write_v)),
+        "f": await _outcome(strategy, strategy.run(write_f_or_g)),
+        "values": _plain([v.numpy(), f.numpy(), g.numpy()]),
+    }
+
+
 async def plain_values(strategy: aiodist.Strategy) -> dict:
     """strategy.reduce and reduce_to of a value that is not distributed: each
     outcome (the result, or the error's class and message), then a reduce that
@@ -1526,6 +1550,7 @@ _BOUNDED = (
     "alike_mismatch",
     "run_on_one_worker",
     "refused_on_one_worker",
+    "updates_differ",
 )  # a 30 s timeout: failing at once shows
 
 
@@ -1608,6 +1633,7 @@ def main() -> None:
         "alike_mismatch": _alike_mismatch,
         "run_on_one_worker": _run_on_one_worker,
         "refused_on_one_worker": _refused_on_one_worker,
+        "updates_differ": _updates_differ,
     }[mode]
     _report(strategy, _run(work(strategy)))
 

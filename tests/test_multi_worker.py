@@ -741,6 +741,25 @@ def test_a_cross_replica_call_refused_on_one_worker_fails_at_once_on_every_worke
         assert result["after"] == [3.0] and result["seconds"] < 10, result
 
 
+def test_workers_updating_different_variables_at_one_place_is_a_mismatch():
+    """Before, a variable's aggregated update exchanged a header without its name
+    or write: v.assign on one worker and v.assign_add on the other (or f and g)
+    paired, and the mirrored copies differed between workers, silently."""
+    rc, results, output, _ = _program(2, "updates_differ", [1, 1])
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == [0, 1], output[-3000:]
+    for result in results.values():
+        assert result["v"][0] == "CollectiveMismatchError", result
+        assert (
+            "worker 0 (replica 0): v.assign(SUM, float64[2]) (cross-worker operation #5); "
+            "worker 1 (replica 1): v.assign_add(SUM, float64[2])"
+        ) in result["v"][1], result
+        assert result["f"][0] == "CollectiveMismatchError", result
+        assert "worker 0 (replica 0): f: the first replica's value" in result["f"][1], result
+        assert "worker 1 (replica 1): g: the first replica's value" in result["f"][1], result
+        assert result["values"] == [[5.0, 5.0], [0.0, 0.0], [0.0, 0.0]], result
+
+
 def test_input_contexts_name_workers_and_global_replicas():
     rc, results, output, _ = _program(2, "inputs", [2, 1])
     assert rc == 0, output[-3000:]
