@@ -1508,10 +1508,19 @@ class World:
             ) from None
 
     def all_reduce_now(
-        self, op: ReduceOp, buffer: np.ndarray, what: str, timeout: float | None
+        self,
+        op: ReduceOp,
+        buffer: np.ndarray,
+        what: str,
+        timeout: float | None,
+        name: str | None = None,
     ) -> np.ndarray:
-        """``all_reduce`` for synchronous code, headers included (shapes must agree)."""
-        self.agree_now(what, f"all_reduce {op.name} {buffer.dtype.str}{buffer.shape}", timeout)
+        """``all_reduce`` for synchronous code, headers included (shapes must agree,
+        and ``name``, what the value is of, where given: a variable's)."""
+        key = f"all_reduce {op.name} {buffer.dtype.str}{buffer.shape}"
+        if name is not None:
+            key = f"{key} of {name!r}"
+        self.agree_now(what, key, timeout)
         start, finish = self._all_reduce_call(op, buffer)
         self._data_now(start, what, timeout)
         return finish()

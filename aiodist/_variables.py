@@ -1026,17 +1026,19 @@ class SyncOnReadVariable(Variable):
         strategy = self._strategy
         world = strategy._world
         timeout = strategy._communication_options.timeout_seconds
+        # (``what`` is in the exchange's key too: two workers reading two variables of
+        # one shape at one place, in another order, would otherwise swap their values.)
         what = f"reading sync-on-read variable {self._name!r} ({self._aggregation.name})"
         if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             # Global replica 0 is worker 0's first.
-            total = world.broadcast_now(host_array(self._values[0]), what, timeout)
+            total = world.broadcast_now(host_array(self._values[0]), what, timeout, what)
         else:
             ops = strategy.extended._cross_device_ops
             copies = [np.asarray(host_array(v)) for v in self._values]
             if self._aggregation is VariableAggregation.MEAN:
                 copies = [mean_operand(copy) for copy in copies]  # integers as float64
             local = np.asarray(ops._reduce_arrays(ReduceOp.SUM, copies, _HOST))
-            total = world.all_reduce_now(ReduceOp.SUM, local, what, timeout)
+            total = world.all_reduce_now(ReduceOp.SUM, local, what, timeout, what)
             if self._aggregation is VariableAggregation.MEAN:
                 total = mean_of_sum(np, total, world.total)
         return _frozen(total)
@@ -1050,7 +1052,7 @@ class SyncOnReadVariable(Variable):
                 return first
             what = f"saving sync-on-read variable {self._name!r} (its first copy)"
             return world.broadcast_now(
-                first, what, self._strategy._communication_options.timeout_seconds
+                first, what, self._strategy._communication_options.timeout_seconds, what
             )
         if self._aggregation is VariableAggregation.MEAN and self.dtype.kind in "iu":
             return self._integer_mean()
@@ -1067,7 +1069,7 @@ class SyncOnReadVariable(Variable):
             what = f"saving sync-on-read variable {self._name!r} (MEAN)"
             timeout = strategy._communication_options.timeout_seconds
             both = np.stack([q, r])  # one exchange for both
-            q, r = strategy._world.all_reduce_now(ReduceOp.SUM, both, what, timeout)
+            q, r = strategy._world.all_reduce_now(ReduceOp.SUM, both, what, timeout, what)
         return _mean_of_sums(q, r, n, self.dtype)
 
     def _restore(self, value: np.ndarray) -> None:

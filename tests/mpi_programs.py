@@ -1491,6 +1491,30 @@ async def _updates_differ(strategy: aiodist.Strategy) -> dict:
     }
 
 
+async def _reads_in_another_order(strategy: aiodist.Strategy) -> dict:
+    """Sync-on-read variables a and b (SUM, one shape), read in cross-replica
+    context in another order on worker 1; then read alike. Before, the reads
+    paired by place: worker 0's a met worker 1's b, and each read returned a sum
+    of one variable's copies and the other's (11, 11 on every read), silently."""
+    with strategy.scope():
+        a = aiodist.Variable(np.zeros(2), synchronization="on_read", aggregation="sum", name="a")
+        b = aiodist.Variable(np.zeros(2), synchronization="on_read", aggregation="sum", name="b")
+
+    async def step():
+        await a.assign(np.ones(2))
+        await b.assign(np.full(2, 10.0))
+
+    await strategy.run(step)
+    order = (b, a) if strategy.worker_index == 1 else (a, b)
+    swapped = []
+    for variable in order:
+        try:
+            swapped.append(_plain(variable.numpy()))
+        except aiodist.CollectiveMismatchError as exc:
+            swapped.append(str(exc))
+    return {"swapped": swapped, "alike": _plain([a.numpy(), b.numpy()])}
+
+
 async def plain_values(strategy: aiodist.Strategy) -> dict:
     """strategy.reduce and reduce_to of a value that is not distributed: each
     outcome (the result, or the error's class and message), then a reduce that
@@ -1551,6 +1575,7 @@ _BOUNDED = (
     "run_on_one_worker",
     "refused_on_one_worker",
     "updates_differ",
+    "reads_in_another_order",
 )  # a 30 s timeout: failing at once shows
 
 
@@ -1634,6 +1659,7 @@ def main() -> None:
         "run_on_one_worker": _run_on_one_worker,
         "refused_on_one_worker": _refused_on_one_worker,
         "updates_differ": _updates_differ,
+        "reads_in_another_order": _reads_in_another_order,
     }[mode]
     _report(strategy, _run(work(strategy)))
 

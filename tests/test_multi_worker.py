@@ -760,6 +760,20 @@ def test_workers_updating_different_variables_at_one_place_is_a_mismatch():
         assert result["values"] == [[5.0, 5.0], [0.0, 0.0], [0.0, 0.0]], result
 
 
+def test_sync_on_read_variables_read_in_another_order_are_a_mismatch():
+    """Before, a read's exchange did not name its variable: a and b (one shape)
+    read in another order on one worker swapped values between them, silently."""
+    rc, results, output, _ = _program(2, "reads_in_another_order", [1, 1])
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == [0, 1], output[-3000:]
+    for result in results.values():
+        for message in result["swapped"]:
+            assert "workers disagree" in message, result
+            assert "reading sync-on-read variable 'a' (SUM)" in message, result
+            assert "reading sync-on-read variable 'b' (SUM)" in message, result
+        assert result["alike"] == [[2.0, 2.0], [20.0, 20.0]], result
+
+
 def test_input_contexts_name_workers_and_global_replicas():
     rc, results, output, _ = _program(2, "inputs", [2, 1])
     assert rc == 0, output[-3000:]
