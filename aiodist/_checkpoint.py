@@ -199,11 +199,12 @@ def _load(
         members = set(data.zip.namelist())
         found = {name: _header(data, name + ".npy") for name in wanted if name + ".npy" in members}
         # A file written on a machine of the other byte order holds its arrays in
-        # that order ('>f4' for float32): the same values, read in native order.
+        # that order ('>f4' for float32): the same values, read in the variable's
+        # order (native, unless it was made from an array of the other order).
         stored = {
             name: data[name + ".npy"].astype(wanted[name].dtype, copy=False)
             for name, (shape, dtype) in found.items()
-            if shape == wanted[name].shape and _native(dtype) == wanted[name].dtype
+            if shape == wanted[name].shape and _native(dtype) == _native(wanted[name].dtype)
         }
         return stored, found, list(data.files)
 

@@ -1032,6 +1032,21 @@ async def test_restore_reads_a_checkpoint_of_the_other_byte_order(tmp_path):
         await aiodist.restore_variables(path, [other_kind])  # a byte order, not a cast
 
 
+async def test_a_variable_of_the_other_byte_order_restores_what_it_saved(tmp_path):
+    # A variable made from a big-endian array (a FITS file's, say) keeps '>f4'; its
+    # own checkpoint was refused as "'w' is >f4[3] in the checkpoint but >f4[3]
+    # here" once restoring compared the file's dtype in native order with the
+    # variable's as it is. Either byte order of the file restores into it.
+    w = aiodist.Variable(np.arange(3, dtype=">f4"), name="w")
+    saved = await aiodist.save_variables(tmp_path / "w.npz", [w])
+    native = tmp_path / "native.npz"
+    np.savez(native, w=np.array([5, 6, 7], dtype="<f4"))
+    for path, expected in [(native, [5.0, 6.0, 7.0]), (saved, [0.0, 1.0, 2.0])]:
+        await aiodist.restore_variables(path, [w])
+        assert w.dtype == np.dtype(">f4")
+        np.testing.assert_array_equal(w.numpy(), expected)
+
+
 async def test_restore_mismatch_changes_nothing(tmp_path):
     a = aiodist.Variable(np.ones(3), name="a")
     b = aiodist.Variable(np.ones(2), name="b")
