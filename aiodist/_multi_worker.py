@@ -1398,6 +1398,7 @@ class World:
         process reduces them). Every worker's share is gathered instead and
         folded with ``np.minimum``/``np.maximum`` in worker order, which gives one
         process's result over the replicas in order."""
+        buffer = _native_order(buffer)
         if op in (ReduceOp.MIN, ReduceOp.MAX) and buffer.dtype.kind in "fc":
             share = np.array(buffer, order="C", copy=None).reshape(-1)
             every = np.empty((self.size, share.size), share.dtype)
@@ -1517,6 +1518,7 @@ class World:
     ) -> np.ndarray:
         """``all_reduce`` for synchronous code, headers included (shapes must agree,
         and ``name``, what the value is of, where given: a variable's)."""
+        buffer = _native_order(buffer)  # (as every worker's is, those of several copies)
         key = f"all_reduce {op.name} {buffer.dtype.str}{buffer.shape}"
         if name is not None:
             key = f"{key} of {name!r}"
@@ -1528,6 +1530,15 @@ class World:
 
 def _broadcast_key(array: np.ndarray) -> str:
     return f"broadcast {array.dtype.str}{array.shape}"
+
+
+def _native_order(array: np.ndarray) -> np.ndarray:
+    """``array`` in this machine's byte order. A worker of one replica holds its
+    share as given ('>f4', read from a file of a big-endian machine), which MPI's
+    typed reductions refuse (mpi4py's BufferError); a worker combining several
+    has it in native order already, as one process's reductions give it."""
+    dtype = array.dtype
+    return array if dtype.isnative else array.astype(dtype.newbyteorder("="))
 
 
 def _travel(buffer: np.ndarray) -> tuple:
@@ -2126,7 +2137,9 @@ class MultiWorkerMirroredStrategy(Strategy):
                     parts,
                     _HOST,  # host parts: reduced there
                 )
-                totals.append(np.asarray(local))
+                # (In native order, as a worker of several replicas has it: the
+                # header's dtype and the packs must agree on every worker.)
+                totals.append(_native_order(np.asarray(local)))
                 counts.append(count)
         except Exception as exc:  # refused here: the others are told at once
             await self._tell_refusal(f"{method}({op.name}{along})", exc, timeout)

@@ -398,6 +398,39 @@ async def complex_min_max(strategy: aiodist.Strategy) -> dict:
     }
 
 
+async def big_endian(strategy: aiodist.Strategy) -> dict:
+    """Reductions of big-endian values ('>f4', '>f8': read from a file written on
+    such a machine): in replicas, by strategy.reduce, and a sync-on-read variable's
+    read; each result as its dtype and values, to compare with one process. Run in
+    one process too."""
+
+    def value(rid: int, dtype: str) -> np.ndarray:
+        return np.array([rid + 0.5, 2.0 * rid], dtype)
+
+    def shown(array: np.ndarray) -> list:
+        return [np.dtype(array.dtype).isnative, np.dtype(array.dtype).name, array.tolist()]
+
+    async def step():
+        ctx = aiodist.get_replica_context()
+        rid = ctx.replica_id_in_sync_group
+        ops = ("sum", "mean", "max", "min")
+        return {op: shown(await ctx.all_reduce(op, value(rid, ">f4"))) for op in ops}
+
+    results = strategy.experimental_local_results(await strategy.run(step))
+
+    async def local():
+        return value(aiodist.get_replica_context().replica_id_in_sync_group, ">f8")
+
+    values = await strategy.run(local)
+    with strategy.scope():
+        on_read = aiodist.Variable(
+            np.ones(2, ">f4"), synchronization="on_read", aggregation="sum", name="n"
+        )
+        reduced = {op: shown(await strategy.reduce(op, values, axis=None)) for op in ("sum", "max")}
+        read = shown(np.asarray(on_read.read_value()))
+    return {"in_replicas": results[0], "reduce": reduced, "on_read": read}
+
+
 async def _long_headers(strategy: aiodist.Strategy) -> list:
     """An all_gather of 800 leaves whose lengths differ between workers (9 rows
     on worker 0, 10 on the others): its header is longer on some workers."""
@@ -1576,6 +1609,7 @@ _BOUNDED = (
     "refused_on_one_worker",
     "updates_differ",
     "reads_in_another_order",
+    "big_endian",
 )  # a 30 s timeout: failing at once shows
 
 
@@ -1637,6 +1671,7 @@ def main() -> None:
         "long_headers": _long_headers,
         "min_max": min_max,
         "complex_min_max": complex_min_max,
+        "big_endian": big_endian,
         "give_up": _give_up_mid_operation,
         "compute": compute,
         "inputs": _inputs,

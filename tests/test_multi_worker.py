@@ -171,6 +171,26 @@ def test_min_and_max_of_complex_values_equal_one_process_on_every_worker(counts)
         assert result == expected
 
 
+@pytest.mark.parametrize("counts", [[1, 1], [1, 2]], ids=["2x1", "uneven"])
+def test_big_endian_values_reduce_as_in_one_process_on_every_worker(counts):
+    """One process reduces '>f4' values of several replicas into native float32
+    (test_host_reduce). Across workers, a worker of one replica handed its share
+    to MPI as it was: SUM, MEAN and a sync-on-read read raised mpi4py's BufferError
+    ("format string '>f' with non-native byte order"), MAX gave '>f4'; with
+    another worker of two replicas (native after its local sum) that worker
+    waited in the data step until the timeout, and the job was aborted."""
+    rc, results, output, _ = _program(len(counts), "big_endian", counts)
+    assert rc == 0, output[-3000:]
+    from tests.mpi_programs import big_endian
+
+    strategy = aiodist.MirroredStrategy([f"cpu:{i}" for i in range(sum(counts))])
+    expected = aiodist.run(big_endian(strategy))
+    assert expected["on_read"] == [True, "float32", [sum(counts)] * 2]
+    assert sorted(results) == list(range(len(counts))), output[-3000:]
+    for result in results.values():
+        assert result == expected
+
+
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_headers_of_different_lengths_on_each_worker_are_exchanged(loop):
     """Before, a 4 KiB header limit refused the call on the workers whose shapes
