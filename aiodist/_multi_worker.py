@@ -1563,17 +1563,19 @@ def local_devices(devices_per_worker: Any) -> tuple[Device, ...]:
 
     if devices_per_worker is None:
         devices = _default_devices()
-    elif isinstance(devices_per_worker, int) and not isinstance(devices_per_worker, bool):
+    elif isinstance(devices_per_worker, numbers.Integral) and not isinstance(
+        devices_per_worker, bool | np.bool_
+    ):  # (a NumPy int too: whole_number takes those, as every count argument does)
         count = whole_number(devices_per_worker, "devices_per_worker", 1)
         devices = tuple(Device("CPU", i) for i in range(count))
-    elif isinstance(devices_per_worker, numbers.Number | str | bytes):
+    elif isinstance(devices_per_worker, numbers.Number | np.bool_ | str | bytes):
         # (One machine's device-list message would leave out the count this takes,
         # and for a string suggest it in a list, or OneDeviceStrategy, even where
         # it is no device.)
         kind = type(devices_per_worker).__name__
         raise DeviceError(
             f"devices_per_worker={devices_per_worker!r} (of type {kind}); expected None "
-            "(the default devices), a Python int k >= 1 (CPU devices cpu:0 ... cpu:k-1) "
+            "(the default devices), an int k >= 1 (CPU devices cpu:0 ... cpu:k-1) "
             "or a list of device strings such as ['cpu:0', 'cpu:1'] or ['GPU:0']."
         )
     else:

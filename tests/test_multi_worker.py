@@ -927,7 +927,7 @@ def test_a_replica_count_below_one_is_refused(bad):
         aiodist.MultiWorkerMirroredStrategy(bad)
 
 
-@pytest.mark.parametrize("bad", [2.5, np.int64(2), True, "cpu:0", "cpux"])
+@pytest.mark.parametrize("bad", [2.5, np.float64(2.0), True, np.bool_(True), "cpu:0", "cpux"])
 def test_a_devices_per_worker_of_another_kind_is_refused_naming_every_accepted_form(bad):
     """Before, these got one machine's device-list message: "expected a list of
     device strings" (not the count that devices_per_worker also takes), and for a
@@ -936,9 +936,22 @@ def test_a_devices_per_worker_of_another_kind_is_refused_naming_every_accepted_f
         aiodist.MultiWorkerMirroredStrategy(bad)
     message = str(caught.value)
     assert message.startswith(f"devices_per_worker={bad!r} (of type {type(bad).__name__}); ")
-    assert "a Python int k >= 1 (CPU devices cpu:0 ... cpu:k-1)" in message
+    assert "an int k >= 1 (CPU devices cpu:0 ... cpu:k-1)" in message
     assert "a list of device strings such as ['cpu:0', 'cpu:1']" in message
     assert "OneDeviceStrategy" not in message
+
+
+def test_a_numpy_integer_count_of_devices_per_worker_is_taken():
+    # As every count argument takes NumPy's integers (whole_number); it was refused
+    # as "expected ... a Python int k >= 1".
+    program = (
+        "import numpy as np, aiodist\n"
+        "s = aiodist.MultiWorkerMirroredStrategy(np.int64(2))\n"
+        "print(s.extended.worker_devices, type(s.num_replicas_in_sync).__name__)\n"
+    )
+    rc, _, output, _ = _launch(1, "-c", program)
+    assert rc == 0, output[-3000:]
+    assert "('/device:CPU:0', '/device:CPU:1') int" in output, output[-3000:]
 
 
 def test_concurrent_runs_are_serialised_and_all_correct():
