@@ -12,8 +12,9 @@ A ``Batcher`` turns many concurrent single requests into few batches:
   promoted to join another replica's output: ``_MixedRows``; under
   ``MultiWorkerMirroredStrategy``, each worker's batcher batches its own
   requests over its own replicas);
-- admission is bounded: when ``max_queue_rows`` rows are already waiting,
-  ``submit`` raises ``Overloaded`` at once instead of queueing without limit;
+- admission is bounded: when a request's rows would take the rows waiting past
+  ``max_queue_rows``, ``submit`` raises ``Overloaded`` at once instead of
+  queueing without limit;
 - a caller cancelled while queued (its client went away) is dropped from the
   batch; one cancelled while its batch runs just does not get the result; the
   others never notice either;
@@ -524,7 +525,8 @@ class Batcher:
             self._rejected += 1
             raise Overloaded(
                 f"{self._queued_rows} rows are already queued (max_queue_rows="
-                f"{self.max_queue_rows}); retry later."
+                f"{self.max_queue_rows}): no room for this request's {len(rows)} "
+                f"row{'' if len(rows) == 1 else 's'}; retry later."
             )
         future = loop.create_future()
         request = _Request(rows, future)

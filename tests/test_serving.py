@@ -189,6 +189,35 @@ async def test_overload_is_immediate_and_recovers(two):
     await batcher.stop()
 
 
+async def test_overloaded_names_the_request_that_does_not_fit(two):
+    # 3 rows queued of 4 and a request of 2: the message said only "3 rows are already
+    # queued (max_queue_rows=4)", which reads as if there were room.
+    gate, ran = asyncio.Event(), []
+
+    async def gated(rows):
+        ran.append(len(rows))
+        await gate.wait()
+        return rows
+
+    options = {"max_batch_size": 3, "max_wait_seconds": 0, "max_batches_in_flight": 1}
+    batcher = Batcher(two, gated, max_queue_rows=4, **options)
+    await batcher.start()
+    running = asyncio.create_task(batcher.submit(np.ones((3, 1))))
+    await wait_until(lambda: ran, "the first batch runs")
+    queued = asyncio.create_task(batcher.submit(np.ones((3, 1))))
+    await wait_until(lambda: batcher.queued_rows == 3, "3 rows queued")
+    with pytest.raises(
+        Overloaded,
+        match=r"^3 rows are already queued \(max_queue_rows=4\): no room for this request's "
+        r"2 rows; retry later\.",
+    ):
+        await batcher.submit(np.ones((2, 1)))
+    admitted = asyncio.create_task(batcher.submit(np.ones((1, 1))))  # (that one fits)
+    gate.set()
+    await asyncio.gather(running, queued, admitted)
+    await batcher.stop()
+
+
 async def test_stop_finishes_in_flight_then_refuses(two):
     batcher = Batcher(two, linear, max_wait_seconds=0.2)
     await batcher.start()
