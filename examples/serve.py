@@ -111,11 +111,17 @@ def parse_inputs(body: bytes, max_rows: int) -> np.ndarray:
         raise BadInput(f"the body is not valid JSON ({exc})") from None
     except RecursionError:  # (valid JSON, nested deeper than the parser goes)
         raise BadInput("the body's JSON is nested too deeply") from None
-    if not isinstance(document, dict) or "inputs" not in document:
-        raise BadInput('expected a JSON object {"inputs": [[number, ...], ...]}')
+    expected = 'expected a JSON object {"inputs": [[number, ...], ...]}'
+    if not isinstance(document, dict):
+        raise BadInput(f"the body is {_json_kind(document)}; {expected}")
+    if "inputs" not in document:
+        keys = ", ".join(_cut(json.dumps(key)) for key in list(document)[:5])
+        more = ", ..." if len(document) > 5 else ""
+        raise BadInput(f'the body has no "inputs" (its keys: {keys or "none"}{more}); {expected}')
     rows = document["inputs"]
     if not isinstance(rows, list) or not rows:
-        raise BadInput('"inputs" must be a non-empty list of rows')
+        kind = "an empty list" if rows == [] else _json_kind(rows)
+        raise BadInput(f'"inputs" is {kind}; it must be a non-empty list of rows')
     if len(rows) > max_rows:
         raise BadInput(f'"inputs" has {len(rows)} rows; at most {max_rows} per request')
     for i, row in enumerate(rows):
@@ -137,6 +143,20 @@ def parse_inputs(body: bytes, max_rows: int) -> np.ndarray:
                     f"at most {MAX_ABS_INPUT:g}"
                 )
     return np.asarray(rows, dtype=np.float64)
+
+
+def _json_kind(value: Any) -> str:
+    """What a parsed JSON value is, in words (with its value when it is short)."""
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    kind = {bool: "a boolean", str: "a string", type(None): "null"}.get(type(value), "a number")
+    return kind if kind == "null" else f"{kind} ({_cut(json.dumps(value))})"
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= 40 else f"{text[:39]}…"
 
 
 async def submit_in_batches(batcher: Batcher, rows: np.ndarray) -> np.ndarray:

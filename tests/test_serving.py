@@ -608,6 +608,12 @@ async def test_same_input_same_output_whatever_else_is_served():
         (b'{"inputs": [[' + b"9" * 400 + b", 1" * 15 + b"]]}", "a number of 400 digits"),
         (json.dumps({"inputs": [[1e308] * 16]}).encode(), "magnitude at most 1e+06"),
         (b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+        # (These named nothing of what they were given.)
+        (b"[1, 2]", 'the body is a list; expected a JSON object {"inputs"'),
+        (b'{"rows": [[1]], "x": 2}', 'the body has no "inputs" (its keys: "rows", "x"); expected'),
+        (b'{"inputs": 3}', '"inputs" is a number (3); it must be a non-empty list of rows'),
+        (b'{"inputs": "' + b"a" * 50 + b'"}', '"inputs" is a string ("' + "a" * 38 + "…); it"),
+        (b'{"inputs": []}', '"inputs" is an empty list; it must be a non-empty list'),
     ],
     ids=[
         "json",
@@ -625,6 +631,11 @@ async def test_same_input_same_output_whatever_else_is_served():
         "huge-int",
         "huge-float",
         "deep",
+        "list-body",
+        "no-inputs",
+        "number-inputs",
+        "string-inputs",
+        "empty-inputs",
     ],
 )
 async def test_bad_input_answers_400(payload, message):
