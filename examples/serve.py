@@ -303,6 +303,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", default="cpu:0,cpu:1,cpu:2,cpu:3")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--max-wait-ms", type=float, default=2.0)
+    parser.add_argument(
+        "--shutdown-deadline",
+        type=float,
+        default=10.0,
+        help="seconds that requests in flight may take once shutdown begins (SIGTERM, "
+        "Ctrl+C); then they are cancelled, and the batcher's stop() cancels its batches "
+        "after as long again (default 10)",
+    )
     args = parser.parse_args(argv)
     # Bad values as usage errors that name the flag, not a traceback naming
     # create_app's argument.
@@ -310,10 +318,16 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--max-batch-size={args.max_batch_size}; expected at least 1")
     if not (math.isfinite(args.max_wait_ms) and args.max_wait_ms >= 0):
         parser.error(f"--max-wait-ms={args.max_wait_ms}; expected a finite number >= 0")
+    deadline = args.shutdown_deadline
+    if not (math.isfinite(deadline) and deadline >= 0):
+        parser.error(f"--shutdown-deadline={deadline}; expected a finite number of seconds >= 0")
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     try:
         app = create_app(
-            devices, max_batch_size=args.max_batch_size, max_wait_seconds=args.max_wait_ms / 1e3
+            devices,
+            max_batch_size=args.max_batch_size,
+            max_wait_seconds=args.max_wait_ms / 1e3,
+            shutdown_deadline=deadline,
         )
     except ValueError as exc:  # a bad --devices (aiodist's errors are ValueErrors)
         parser.error(f"--devices={args.devices!r}: {exc}")
@@ -323,7 +337,17 @@ def main(argv: list[str] | None = None) -> None:
         loop = "uvloop"
     except ImportError:
         loop = "asyncio"
-    uvicorn.run(app, host=args.host, port=args.port, loop=loop, lifespan="on")
+    # uvicorn runs the lifespan's shutdown (the batcher's stop(deadline)) only once
+    # every request's handler has ended: without a bound of its own, one request
+    # whose batch never ends (a step stuck in I/O) kept the server from exiting.
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        loop=loop,
+        lifespan="on",
+        timeout_graceful_shutdown=deadline,
+    )
 
 
 if __name__ == "__main__":

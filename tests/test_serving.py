@@ -869,6 +869,54 @@ async def test_graceful_shutdown_completes_in_flight_requests():
     assert [status for status, _ in answers] == [200] * 10
 
 
+STUCK_SERVER = """
+import asyncio, sys
+sys.path.insert(0, {examples!r})
+import serve
+step = serve.MLP.step
+async def stuck_on_sevens(self, rows):
+    if (rows == 7.0).all():
+        print("stuck", file=sys.stderr, flush=True)
+        await asyncio.Event().wait()
+    return await step(self, rows)
+serve.MLP.step = stuck_on_sevens
+serve.main(["--port", "0", "--devices", "cpu:0,cpu:1", "--shutdown-deadline", "0.5"])
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM is a POSIX signal")
+async def test_the_example_server_exits_on_sigterm_with_a_request_stuck():
+    # uvicorn runs the lifespan's shutdown (the batcher's stop(deadline)) only once
+    # every handler has ended, and waited for them without a bound: a request whose
+    # batch never ended (its step stuck) kept the server running after SIGTERM for
+    # as long as it was left (still running 20 s after SIGTERM; shutdown_deadline 10).
+    import signal
+
+    script = STUCK_SERVER.format(examples=str(ROOT / "examples"))
+    server = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script, cwd=ROOT, stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        async with asyncio.timeout(60):
+            while b"Uvicorn running on" not in (line := await server.stderr.readline()):
+                assert line, "the server ended before it started"
+            port = int(line.split(b"http://127.0.0.1:")[1].split()[0])
+            stuck = asyncio.create_task(http(port, "POST", "/predict", body([[7.0] * 16])))
+            while b"stuck" not in (line := await server.stderr.readline()):
+                assert line, "the server ended before the request was stuck"
+            server.send_signal(signal.SIGTERM)
+            # Up to 0.5 s for the stuck request, then its handler is cancelled (500);
+            # the batcher's stop() cancels the stuck batch 0.5 s later.
+            await server.stderr.read()
+            await server.wait()
+            assert (await stuck)[0] == 500
+    finally:
+        if server.returncode is None:
+            server.kill()
+            await server.wait()
+    assert server.returncode in (0, -signal.SIGTERM)  # (uvicorn re-raises the signal)
+
+
 LOAD = """
 import asyncio, json, sys
 sys.path.insert(0, {root!r})
@@ -1306,6 +1354,7 @@ async def test_concurrent_starts_make_one_batching_loop(two):
         (["--max-wait-ms", "-1"], "--max-wait-ms=-1.0; expected a finite number >= 0"),
         (["--max-wait-ms", "nan"], "--max-wait-ms=nan"),
         (["--devices", "tpu:0"], "--devices='tpu:0': "),
+        (["--shutdown-deadline", "-1"], "--shutdown-deadline=-1.0; expected a finite number"),
     ],
 )
 def test_the_example_servers_bad_flags_are_usage_errors(flags, text, capsys):
