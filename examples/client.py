@@ -42,7 +42,28 @@ async def http(port: int, method: str, path: str, body: bytes | None = None):
             f"{where}: the reply does not start with an HTTP status line: {raw[:80]!r}"
         )
     status = int(parts[1])
+    if any(
+        line.lower().replace(b" ", b"") == b"transfer-encoding:chunked"
+        for line in header.split(b"\r\n")[1:]
+    ):  # (uvicorn's own 500 page, for one, comes in chunks)
+        payload = _unchunk(payload, where)
     try:
         return status, json.loads(payload)
     except ValueError:  # (UnicodeDecodeError included)
         return status, payload.decode(errors="replace")
+
+
+def _unchunk(payload: bytes, where: str) -> bytes:
+    """A body sent with ``Transfer-Encoding: chunked``, its chunks joined."""
+    chunks = []
+    while True:
+        size_line, _, payload = payload.partition(b"\r\n")
+        try:
+            size = int(size_line.split(b";")[0], 16)
+        except ValueError:
+            shown = size_line[:80]
+            raise ValueError(f"{where}: a chunk of the reply has no size: {shown!r}") from None
+        if size == 0:
+            return b"".join(chunks)
+        chunks.append(payload[:size])
+        payload = payload[size + 2 :]  # (the chunk, then its CRLF)

@@ -677,6 +677,29 @@ async def test_the_client_names_a_server_that_hangs_up_or_replies_garbage():
             await server.wait_closed()
 
 
+async def test_the_client_joins_a_chunked_reply():
+    """uvicorn's own 500 page (a handler cancelled at shutdown, for one) comes with
+    Transfer-Encoding: chunked: the client returned '15\\r\\nInternal Server
+    Error\\r\\n0\\r\\n\\r\\n', chunk sizes and all."""
+
+    async def handler(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        chunks = replies.pop(0)
+        writer.write(b"HTTP/1.1 500 Internal Server Error\r\nTransfer-Encoding: chunked\r\n\r\n")
+        writer.write(b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n")
+        writer.close()
+
+    replies = [[b"Internal Server Error"], [b'{"error": ', b'"x"}']]
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        assert await http(port, "POST", "/predict", b"{}") == (500, "Internal Server Error")
+        assert await http(port, "POST", "/predict", b"{}") == (500, {"error": "x"})
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 async def test_overload_answers_503_and_recovers(monkeypatch):
     # The model's step waits for a gate, shut once the server has started (its
     # warm-up passes) and opened again only once some request has been refused:
