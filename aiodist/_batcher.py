@@ -229,6 +229,14 @@ class BatcherStats:
 
         self.latency_seconds = {"p50": percentile(50), "p90": percentile(90), "p99": percentile(99)}
 
+    def __repr__(self) -> str:
+        latency = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.latency_seconds.items())
+        return (
+            f"BatcherStats(requests={self.requests}, batches={self.batches}, rows={self.rows}, "
+            f"mean_batch_size={self.mean_batch_size:.1f}, rejected={self.rejected}, "
+            f"failed={self.failed}, failed_requests={self.failed_requests}, latency: {latency})"
+        )
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "requests": self.requests,
@@ -310,6 +318,23 @@ class Batcher:
         self._requests = self._batches = self._rows = self._rejected = self._failed = 0
         self._failed_requests = 0
         self._latencies: deque[float] = deque(maxlen=10_000)
+
+    def __repr__(self) -> str:
+        if self._stopping is not None:
+            state = "stopping"
+        elif self._starting is not None:
+            state = "starting"
+        elif self._accepting:
+            state = "serving"
+        else:
+            state = "not serving"
+        step = getattr(self.step_fn, "__qualname__", None) or repr(self.step_fn)
+        rows, batches = self._queued_rows, len(self._running)
+        return (
+            f"<Batcher {state}: {rows} row{'' if rows == 1 else 's'} queued, {batches} "
+            f"batch{'' if batches == 1 else 'es'} in flight; step {step}, "
+            f"max_batch_size={self.max_batch_size}>"
+        )
 
     # -- lifecycle ---------------------------------------------------------------------
 

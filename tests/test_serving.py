@@ -1256,6 +1256,24 @@ async def test_a_step_failing_on_no_rows_says_that_replicas_had_none(two):
     await batcher.stop()
 
 
+async def test_the_batcher_and_its_stats_show_their_state(two):
+    # Both showed only "<aiodist._batcher.BatcherStats object at 0x...>".
+    batcher, gate, running, queued = await _full_queue(two, 2, 2, [2, 2])
+    assert repr(batcher) == (
+        "<Batcher serving: 4 rows queued, 1 batch in flight; step "
+        "_full_queue.<locals>.gated, max_batch_size=2>"
+    )
+    gate.set()
+    await asyncio.gather(running, *queued)
+    await batcher.stop()
+    assert repr(batcher).startswith("<Batcher not serving: 0 rows queued, 0 batches in flight")
+    stats = BatcherStats(3, 2, 5, 1, 0, [0.002, 0.004, 0.010], failed_requests=1)
+    assert repr(stats) == (
+        "BatcherStats(requests=3, batches=2, rows=5, mean_batch_size=2.5, rejected=1, "
+        "failed=0, failed_requests=1, latency: p50 4.0 ms, p90 10.0 ms, p99 10.0 ms)"
+    )
+
+
 def test_latency_percentiles_are_nearest_rank():
     stats = BatcherStats(10, 1, 10, 0, 0, [i / 1000 for i in range(10, 0, -1)])
     assert stats.latency_seconds == {"p50": 0.005, "p90": 0.009, "p99": 0.010}
