@@ -50,7 +50,13 @@ from typing import Any
 import numpy as np
 
 from . import _context, _nest
-from ._checks import not_callable, seconds, short_repr, whole_number
+from ._checks import (
+    async_generator_function,
+    not_callable,
+    seconds,
+    short_repr,
+    whole_number,
+)
 from ._errors import AiodistError, InvalidArgumentError
 from ._input import split_batch
 from ._strategy import Strategy
@@ -296,6 +302,12 @@ class Batcher:
                 step_fn,
                 f"Batcher: step_fn={step_fn!r} is not callable; expected "
                 "`async def step_fn(rows)` returning one output row per input row.",
+            )
+        if async_generator_function(step_fn):  # (it failed only once serving)
+            raise InvalidArgumentError(
+                f"Batcher: step_fn={step_fn!r} is an async generator function (an async "
+                "def with yield in it); expected `async def step_fn(rows)` returning "
+                "one output row per input row."
             )
         self.strategy = strategy
         self.step_fn = step_fn

@@ -538,6 +538,12 @@ def test_batcher_argument_checks(two):
     with pytest.raises(ValueError, match=r"step_fn=None is not callable"):
         Batcher(two, None)
 
+    async def streaming(rows):  # (refused when made; it failed only once serving)
+        yield rows
+
+    with pytest.raises(ValueError, match=r"step_fn=<function .*streaming.* is an async gen"):
+        Batcher(two, streaming)
+
 
 # -- the example server over real sockets ---------------------------------------------
 
