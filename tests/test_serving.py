@@ -189,23 +189,32 @@ async def test_overload_is_immediate_and_recovers(two):
     await batcher.stop()
 
 
+async def _one_batch_running_one_queued(strategy, rows: int) -> tuple:
+    """A started Batcher (max_queue_rows=4, one batch in flight) whose step waits for
+    ``gate``: one request of ``rows`` rows running, one more queued. Returns the
+    batcher, the gate, the batch sizes the step ran (``ran``) and the two callers'
+    tasks."""
+    gate, ran = asyncio.Event(), []
+
+    async def gated(batch):
+        ran.append(len(batch))
+        await gate.wait()
+        return batch
+
+    options = {"max_batch_size": rows, "max_wait_seconds": 0, "max_batches_in_flight": 1}
+    batcher = Batcher(strategy, gated, max_queue_rows=4, **options)
+    await batcher.start()
+    running = asyncio.create_task(batcher.submit(np.ones((rows, 1))))
+    await wait_until(lambda: ran, "the first batch runs")
+    queued = asyncio.create_task(batcher.submit(np.ones((rows, 1))))
+    await wait_until(lambda: batcher.queued_rows == rows, f"{rows} rows queued")
+    return batcher, gate, ran, running, queued
+
+
 async def test_overloaded_names_the_request_that_does_not_fit(two):
     # 3 rows queued of 4 and a request of 2: the message said only "3 rows are already
     # queued (max_queue_rows=4)", which reads as if there were room.
-    gate, ran = asyncio.Event(), []
-
-    async def gated(rows):
-        ran.append(len(rows))
-        await gate.wait()
-        return rows
-
-    options = {"max_batch_size": 3, "max_wait_seconds": 0, "max_batches_in_flight": 1}
-    batcher = Batcher(two, gated, max_queue_rows=4, **options)
-    await batcher.start()
-    running = asyncio.create_task(batcher.submit(np.ones((3, 1))))
-    await wait_until(lambda: ran, "the first batch runs")
-    queued = asyncio.create_task(batcher.submit(np.ones((3, 1))))
-    await wait_until(lambda: batcher.queued_rows == 3, "3 rows queued")
+    batcher, gate, _, running, queued = await _one_batch_running_one_queued(two, 3)
     with pytest.raises(
         Overloaded,
         match=r"^3 rows are already queued \(max_queue_rows=4\): no room for this request's "
@@ -1195,20 +1204,7 @@ async def test_a_restart_after_a_cancelled_stop_keeps_one_batch_in_flight():
 
 
 async def test_queued_rows_stay_right_when_stop_and_callers_are_cancelled_together(two):
-    gate, ran = asyncio.Event(), []
-
-    async def gated(rows):
-        ran.append(len(rows))
-        await gate.wait()
-        return rows
-
-    options = {"max_batch_size": 4, "max_wait_seconds": 0, "max_batches_in_flight": 1}
-    batcher = Batcher(two, gated, max_queue_rows=4, **options)
-    await batcher.start()
-    running = asyncio.create_task(batcher.submit(np.ones((4, 1))))
-    await wait_until(lambda: ran, "the first batch runs")
-    queued = asyncio.create_task(batcher.submit(np.ones((4, 1))))
-    await wait_until(lambda: batcher.queued_rows == 4, "queue full")
+    batcher, gate, ran, running, queued = await _one_batch_running_one_queued(two, 4)
     stopping = asyncio.create_task(batcher.stop(deadline=10))
     await asyncio.sleep(0)
     for task in (stopping, running, queued):  # a shutdown cancels everything at once
