@@ -2083,23 +2083,39 @@ class MultiWorkerMirroredStrategy(Strategy):
             return value, False
         return PerReplica([value] * len(self._slots), self._devices), True
 
-    async def _tell_refusal(self, what: str, exc: Exception, timeout: float | None) -> None:
-        """A cross-replica call (``what``) outside any run was refused on this worker
-        before its header was sent (values of another shape on one worker): it
-        still takes its place in the order, with a header no call of the others can
-        match, so they raise at once (``CollectiveMismatchError``, naming this
-        refusal) instead of waiting for this worker until their timeout, which
-        lost the order for good. The caller then raises its own error. In a run,
-        the run's failure header tells them already."""
+    def _refusal(self, what: str, exc: Exception) -> str | None:
+        """The header text a call (``what``) outside any run, refused on this worker
+        before its header was sent (values of another shape on one worker), takes
+        its place in the order with: one no call of the others can match, so they
+        raise at once (``CollectiveMismatchError``, naming this refusal) instead of
+        waiting for this worker until their timeout, which lost the order for good
+        (or pairing with its next call). The caller then raises its own error.
+        None where nobody needs telling: one worker, or in a run (the run's failure
+        header tells them already)."""
         world = self._world
         if world.size == 1 or world._run_now() is not None:
-            return
+            return None
         text = exc.args[0] if isinstance(exc, AiodistError) and exc.args else str(exc)
-        what = f"{what}, which it refused: {type(exc).__name__}: {text}"
+        return f"{what}, which it refused: {type(exc).__name__}: {text}"
+
+    async def _tell_refusal(self, what: str, exc: Exception, timeout: float | None) -> None:
+        """A cross-replica call's refusal (``_refusal``), told to the others."""
+        world, what = self._world, self._refusal(what, exc)
+        if what is None:
+            return
         # (An error here: the others made the call, and raise too; or the strategy is
         # closed, or the order lost. This worker's own error says what went wrong.)
         with contextlib.suppress(AiodistError):
             await world.operate(what, lambda: world.agree(what, "refused", timeout), self)
+
+    def _tell_refusal_now(self, what: str, exc: Exception) -> None:
+        """A synchronous call's refusal (``_refusal``: creating a variable whose
+        initial value this worker refuses), told to the others."""
+        what = self._refusal(what, exc)
+        if what is None:
+            return
+        with contextlib.suppress(AiodistError):  # (as in _tell_refusal)
+            self._world.agree_now(what, "refused", self._communication_options.timeout_seconds)
 
     async def _reduce_across(
         self,

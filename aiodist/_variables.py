@@ -459,6 +459,63 @@ class VariableCopy(_ReadsAsValue):
         return f"<VariableCopy {self._variable._name!r} on {self.device}: {self.value()!r}>"
 
 
+def _initial_host(
+    name: str, initial_value: Any, dtype: Any, aggregation: VariableAggregation
+) -> np.ndarray:
+    """A variable's initial value, checked, as a host array of ``dtype``."""
+    given_value = initial_value
+    if callable(initial_value):
+        initial_value = initial_value()
+    # (An async function's coroutine read as "initial_value has dtype object", and
+    # Python warned that it was never awaited.)
+    refuse_awaitables(
+        (initial_value,),
+        lambda: (
+            f"{name}: initial_value={given_value!r} is or returned an awaitable; "
+            "a variable's initial value is taken when it is made, not awaited: pass "
+            "the value (await it first) or a plain function (def, not async def) "
+            "returning it."
+        ),
+    )
+    if isinstance(initial_value, DistributedValues | Variable):
+        raise InvalidArgumentError(
+            f"{name}: initial_value is a {type(initial_value).__name__}; expected "
+            "one array or scalar (read a component first)."
+        )
+    try:
+        given = np.asarray(host_array(initial_value))
+        wanted = given.dtype if dtype is None else np.dtype(dtype)
+        _refuse_lossy_initial_value(name, given, wanted)  # (before a cast warns)
+        host = np.array(given, dtype=wanted)
+    except InvalidArgumentError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(
+            f"{name}: initial_value={initial_value!r} is not an array of numbers ({exc})."
+        ) from None
+    if host.dtype.kind not in "biufc":
+        raise InvalidArgumentError(
+            f"{name}: initial_value has dtype {host.dtype}; expected numbers."
+        )
+    summed = (VariableAggregation.SUM, VariableAggregation.MEAN)
+    if host.dtype.kind == "b" and aggregation in summed:
+        raise InvalidArgumentError(
+            f"{name}: a bool variable cannot have aggregation="
+            f"{aggregation.name} (a sum of bools is not a bool); use NONE or "
+            "ONLY_FIRST_REPLICA, or an integer dtype."
+        )
+    return host
+
+
+def _tell_refusal(strategy: Any, name: Any, exc: Exception) -> None:
+    """A variable of ``strategy``'s (its ``name``, as given) was refused on this
+    worker before it was exchanged: a multi-worker strategy still takes its place
+    in the order, so the other workers raise at once instead of pairing their
+    creation of it with this worker's next cross-worker call."""
+    if strategy is not None and strategy._world is not None:
+        strategy._tell_refusal_now(f"Variable {'Variable' if name is None else str(name)!r}", exc)
+
+
 class Variable(_ReadsAsValue):
     """A variable: plain outside any scope, distributed inside ``strategy.scope()``.
 
@@ -502,11 +559,15 @@ class Variable(_ReadsAsValue):
                         "variables in cross-replica context, under `with strategy.scope():`, "
                         "and pass them to strategy.run."
                     )
-                sync = member(
-                    VariableSynchronization,
-                    kwargs.get("synchronization", VariableSynchronization.AUTO),
-                    "synchronization",
-                )
+                try:
+                    sync = member(
+                        VariableSynchronization,
+                        kwargs.get("synchronization", VariableSynchronization.AUTO),
+                        "synchronization",
+                    )
+                except Exception as exc:
+                    _tell_refusal(state[_context.STRATEGY], kwargs.get("name"), exc)
+                    raise
                 cls = (
                     SyncOnReadVariable
                     if sync is VariableSynchronization.ON_READ
@@ -523,50 +584,17 @@ class Variable(_ReadsAsValue):
         name: str | None = None,
         dtype: Any = None,
     ):
-        self._aggregation = member(VariableAggregation, aggregation, "aggregation")
-        self._synchronization = member(VariableSynchronization, synchronization, "synchronization")
         self._name = "Variable" if name is None else str(name)
-        given_value = initial_value
-        if callable(initial_value):
-            initial_value = initial_value()
-        # (An async function's coroutine read as "initial_value has dtype object", and
-        # Python warned that it was never awaited.)
-        refuse_awaitables(
-            (initial_value,),
-            lambda: (
-                f"{self._name}: initial_value={given_value!r} is or returned an awaitable; "
-                "a variable's initial value is taken when it is made, not awaited: pass "
-                "the value (await it first) or a plain function (def, not async def) "
-                "returning it."
-            ),
-        )
-        if isinstance(initial_value, DistributedValues | Variable):
-            raise InvalidArgumentError(
-                f"{self._name}: initial_value is a {type(initial_value).__name__}; expected "
-                "one array or scalar (read a component first)."
-            )
         try:
-            given = np.asarray(host_array(initial_value))
-            wanted = given.dtype if dtype is None else np.dtype(dtype)
-            _refuse_lossy_initial_value(self._name, given, wanted)  # (before a cast warns)
-            host = np.array(given, dtype=wanted)
-        except InvalidArgumentError:
+            self._aggregation = member(VariableAggregation, aggregation, "aggregation")
+            self._synchronization = member(
+                VariableSynchronization, synchronization, "synchronization"
+            )
+            host = _initial_host(self._name, initial_value, dtype, self._aggregation)
+        except Exception as exc:  # refused here: in a scope, the other workers are told
+            if type(self) is not Variable:
+                _tell_refusal(_context.current_strategy(), self._name, exc)
             raise
-        except (TypeError, ValueError) as exc:
-            raise InvalidArgumentError(
-                f"{self._name}: initial_value={initial_value!r} is not an array of numbers ({exc})."
-            ) from None
-        if host.dtype.kind not in "biufc":
-            raise InvalidArgumentError(
-                f"{self._name}: initial_value has dtype {host.dtype}; expected numbers."
-            )
-        summed = (VariableAggregation.SUM, VariableAggregation.MEAN)
-        if host.dtype.kind == "b" and self._aggregation in summed:
-            raise InvalidArgumentError(
-                f"{self._name}: a bool variable cannot have aggregation="
-                f"{self._aggregation.name} (a sum of bools is not a bool); use NONE or "
-                "ONLY_FIRST_REPLICA, or an integer dtype."
-            )
         strategy = None if type(self) is Variable else _context.current_strategy()
         if type(self) is not Variable and strategy is None:
             raise ContextError(

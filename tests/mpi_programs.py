@@ -1500,6 +1500,37 @@ async def _refused_on_one_worker(strategy: aiodist.Strategy) -> dict:
     return out
 
 
+async def _variable_refused_on_one_worker(strategy: aiodist.Strategy) -> dict:
+    """Variable 'v' in the scope: refused on worker 1 (strings, not numbers) and
+    on worker 2 (a function that raises), made of zeros on worker 0; then 'w',
+    refused on worker 2 only (its synchronization); then every worker reduces
+    alike. Before, worker 1 raised without sending a header: worker 0's
+    creation paired with worker 1's next call (a mismatch naming a call worker
+    0 never made), a later call waited until the timeout, and the job ended
+    with MPI_Abort."""
+    started = time.monotonic()
+
+    def broken():
+        raise RuntimeError("no value here")
+
+    initial = [np.zeros(1), np.array(["x"]), broken][strategy.worker_index]
+    sync = "bogus" if strategy.worker_index == 2 else "auto"
+    out = {}
+    with strategy.scope():
+        for name, make in [
+            ("v", lambda: aiodist.Variable(initial, name="v")),
+            ("w", lambda: aiodist.Variable(1.0, name="w", synchronization=sync)),
+        ]:
+            try:
+                out[name] = _plain(make().numpy())
+            except Exception as exc:
+                out[name] = [type(exc).__name__, str(exc)]
+        ones = strategy.experimental_distribute_values_from_function(lambda ctx: np.ones(1))
+        out["after"] = _plain(await strategy.reduce("sum", ones, axis=None))
+    out["seconds"] = time.monotonic() - started
+    return out
+
+
 async def _updates_differ(strategy: aiodist.Strategy) -> dict:
     """In one run, worker 0 writes v with assign and worker 1 with assign_add;
     then worker 0 assigns f and worker 1 g (ONLY_FIRST_REPLICA, one shape). Before,
@@ -1607,6 +1638,7 @@ _BOUNDED = (
     "alike_mismatch",
     "run_on_one_worker",
     "refused_on_one_worker",
+    "variable_refused_on_one_worker",
     "updates_differ",
     "reads_in_another_order",
     "big_endian",
@@ -1693,6 +1725,7 @@ def main() -> None:
         "alike_mismatch": _alike_mismatch,
         "run_on_one_worker": _run_on_one_worker,
         "refused_on_one_worker": _refused_on_one_worker,
+        "variable_refused_on_one_worker": _variable_refused_on_one_worker,
         "updates_differ": _updates_differ,
         "reads_in_another_order": _reads_in_another_order,
     }[mode]

@@ -794,6 +794,36 @@ def test_sync_on_read_variables_read_in_another_order_are_a_mismatch():
         assert result["alike"] == [[2.0, 2.0], [20.0, 20.0]], result
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_variable_refused_on_one_worker_fails_at_once_on_every_worker(loop):
+    """Before, the worker that refused a variable's initial value raised without
+    sending a header: the others' creation paired with its next call, and a later
+    call waited until the timeout, which lost the order for good."""
+    rc, results, output, _ = _program(3, "variable_refused_on_one_worker", [1, 2, 1], loop=loop)
+    assert rc == 0, output[-3000:]
+    assert sorted(results) == [0, 1, 2], output[-3000:]
+    assert results[1]["v"][0] == "InvalidArgumentError", results[1]
+    assert "v: initial_value has dtype <U1; expected numbers" in results[1]["v"][1]
+    assert results[2]["v"] == ["RuntimeError", "no value here"], results[2]
+    assert results[2]["w"][0] == "InvalidArgumentError", results[2]
+    assert "synchronization='bogus'" in results[2]["w"][1], results[2]
+    assert results[0]["v"][0] == "CollectiveMismatchError", results[0]
+    for told in (
+        "worker 1 (replicas 1-2): Variable 'v', which it refused: InvalidArgumentError: "
+        "v: initial_value has dtype <U1; expected numbers",
+        "worker 2 (replica 3): Variable 'v', which it refused: RuntimeError: no value here",
+    ):
+        assert told in results[0]["v"][1], results[0]
+    for rank in (0, 1):
+        assert results[rank]["w"][0] == "CollectiveMismatchError", results[rank]
+        assert (
+            "worker 2 (replica 3): Variable 'w', which it refused: InvalidArgumentError: "
+            "synchronization='bogus'"
+        ) in results[rank]["w"][1], results[rank]
+    for result in results.values():
+        assert result["after"] == [4.0] and result["seconds"] < 10, result
+
+
 def test_input_contexts_name_workers_and_global_replicas():
     rc, results, output, _ = _program(2, "inputs", [2, 1])
     assert rc == 0, output[-3000:]
