@@ -1712,10 +1712,8 @@ class _WorkerGroup(RunGroup):
             if failure is None or timeout is None:
                 raise
         # (Raised outside the handler, as RunGroup._merged's: no __context__ held.)
-        raise RendezvousTimeoutError(
-            f"merge_call #{number}: merge_fn did not finish within {timeout:g} s "
-            "(CommunicationOptions.timeout_seconds) and was cancelled while it waited "
-            f"for the other workers: {failure}"
+        raise self._merge_timed_out(
+            number, timeout, f" while it waited for the other workers: {failure}"
         )
 
     def _collective(self, number: int, signature: Any, payloads: list) -> Any:

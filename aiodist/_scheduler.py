@@ -1396,12 +1396,19 @@ class RunGroup:
                 return self._for_each_replica(result)
             # Raised outside the handler, so the error does not hold the scope's
             # TimeoutError as its __context__ (its traceback holds the scope too).
-            raise RendezvousTimeoutError(
-                f"merge_call #{number}: merge_fn did not finish within {timeout:g} s "
-                "(CommunicationOptions.timeout_seconds) and was cancelled; make it "
-                "faster, or raise timeout_seconds."
+            raise self._merge_timed_out(
+                number, timeout, "; make it faster, or raise timeout_seconds."
             )
         return self._for_each_replica(result)
+
+    @staticmethod
+    def _merge_timed_out(number: int, timeout: float, how: str) -> RendezvousTimeoutError:
+        """merge_call #``number``'s error where merge_fn's ``timeout`` cancelled it;
+        ``how``: the rest of its message (a multi-worker one: what it waited for)."""
+        return RendezvousTimeoutError(
+            f"merge_call #{number}: merge_fn did not finish within {timeout:g} s "
+            f"(CommunicationOptions.timeout_seconds) and was cancelled{how}"
+        )
 
     def _untrack(self, task: asyncio.Task) -> None:
         """Done callback of a tracked cross-replica task (one that suspended): it
