@@ -393,6 +393,9 @@ class RunGroup:
     _all_done: asyncio.Future | None = None  # set when none is
     _loop: asyncio.AbstractEventLoop | None = None  # the run's loop, once it runs
     _lane = 0  # this run's lane of tracks in the trace being recorded (see _trace)
+    # What raised the failure a cancelled run does not raise, when no replica did:
+    # an async merge_fn (see _merge_fn_raised, _report_unraised).
+    _unraised_by: str | None = None
     # While tracing: call number -> [trace, time it completed, waits still to end].
     _completions: dict[int, list] | None = None
 
@@ -778,9 +781,13 @@ class RunGroup:
         a trace (the replicas' tasks are marked retrieved: see _drain)."""
         failure = self._take_failure()
         who = "the run failed with"
+        where = "replica function"
+        if self._unraised_by is not None:  # an async merge_fn's (see _merge_fn_raised)
+            who, where = f"{self._unraised_by} raised", "merge_fn"
         for rid, task in enumerate(self._tasks):
             if task.done() and not task.cancelled() and task.exception() is failure:
                 who = f"replica {self.strategy._replica_offset + rid} raised"
+                where = "replica function"
                 break
         self._loop.call_exception_handler(
             {
@@ -788,7 +795,7 @@ class RunGroup:
                     "strategy.run() was cancelled (its caller was, or an asyncio.timeout() "
                     f"around it expired), so it raises CancelledError; meanwhile {who} "
                     f"{type(failure).__name__}: {failure}, which is reported here instead. "
-                    "Handle errors in the replica function's cleanup (except "
+                    f"Handle errors in the {where}'s cleanup (except "
                     "asyncio.CancelledError:, finally:) if they are expected."
                 ),
                 "exception": failure,
@@ -1375,6 +1382,9 @@ class RunGroup:
                 # last, failing its run (see _retrieved_once_done).
                 _retrieved_once_done()
                 raise
+            except Exception as exc:
+                self._merge_fn_raised(number, exc)
+                raise
         else:
             scope = asyncio.timeout(timeout)
             try:
@@ -1391,6 +1401,8 @@ class RunGroup:
                 expired = isinstance(exc, TimeoutError) and scope.expired()
                 scope = None
                 if not expired:
+                    if isinstance(exc, Exception):
+                        self._merge_fn_raised(number, exc)
                     raise
             else:
                 return self._for_each_replica(result)
@@ -1409,6 +1421,15 @@ class RunGroup:
             f"merge_call #{number}: merge_fn did not finish within {timeout:g} s "
             f"(CommunicationOptions.timeout_seconds) and was cancelled{how}"
         )
+
+    def _merge_fn_raised(self, number: int, exc: Exception) -> None:
+        """An async merge_fn of call ``number`` raised ``exc`` (its task's last step).
+        While the run is cancelled by its caller (cancelling, with no failure of its
+        own), no replica waits for the call any more: ``exc`` becomes the failure the
+        run does not raise, reported as a replica's is (see _report_unraised)."""
+        if self._cancelling and self._failure is None:
+            self._failure = exc
+            self._unraised_by = f"the merge_fn of merge_call #{number}"
 
     def _untrack(self, task: asyncio.Task) -> None:
         """Done callback of a tracked cross-replica task (one that suspended): it

@@ -823,6 +823,47 @@ async def test_a_replica_error_raised_as_the_run_is_cancelled_is_reported_not_lo
     assert reported == []
 
 
+@pytest.mark.parametrize("merge_timeout", [None, 60])
+async def test_a_merge_fn_error_raised_as_the_run_is_cancelled_is_reported_not_lost(
+    merge_timeout,
+):
+    """As a replica's (above): an async merge_fn whose cleanup fails as the cancelled
+    run cancels it raised an error nothing received (every replica had stopped
+    waiting for the call); it is reported to the loop's exception handler, naming the
+    merge_call. (With and without timeout_seconds: merge_fn's task differs.)"""
+    options = aiodist.CommunicationOptions(timeout_seconds=merge_timeout)
+    strategy = aiodist.MirroredStrategy(cpu_devices(2), communication_options=options)
+    loop = asyncio.get_running_loop()
+    reported = []
+    loop.set_exception_handler(lambda loop, context: reported.append(context))
+    started = []
+    failures = []
+
+    async def merge_fn(strategy, value):
+        started.append(value)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            failures.append(ValueError("could not release the merge_fn's buffer"))
+            raise failures[0] from None
+
+    async def fn():
+        return await aiodist.get_replica_context().merge_call(merge_fn, args=(1,))
+
+    caller = asyncio.create_task(strategy.run(fn))
+    await wait_until(lambda: started, "merge_fn started")
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    loop.set_exception_handler(None)
+    assert [context.get("exception") for context in reported] == failures
+    message = reported[0]["message"]
+    assert "strategy.run() was cancelled" in message
+    assert "the merge_fn of merge_call #0 raised ValueError" in message, message
+    assert "in the merge_fn's cleanup" in message, message
+    assert not _own_tasks()
+
+
 async def test_concurrent_runs_on_one_strategy_never_mix(num_replicas):
     strategy = aiodist.MirroredStrategy(cpu_devices(num_replicas))
 
