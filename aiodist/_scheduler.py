@@ -916,6 +916,10 @@ class RunGroup:
                     "asyncio.current_task().cancel() in the replica function), so "
                     "the run has no result for it; raise an exception to fail a replica."
                 )
+                if exc.__traceback__ is not None:  # (one made here has none to show)
+                    # Chained: its traceback shows where the replica was, and its
+                    # message, if any, who cancelled it (task.cancel(msg)).
+                    self._failure.__cause__ = exc
                 self._cancel_all()
             self._replica_exited(rid, "was cancelled")
         else:

@@ -103,6 +103,11 @@ async def test_failed_runs_leave_no_cyclic_garbage(two):
         await asyncio.sleep(0)
         aiodist.get_replica_context().merge_call(async_merge_raises)
 
+    async def replica_cancelled_by_other_code():  # (its error chained to the cancel)
+        if aiodist.get_replica_context().replica_id_in_sync_group == 1:
+            asyncio.get_running_loop().call_soon(asyncio.current_task().cancel)
+        await asyncio.sleep(3600)
+
     async def run(fn):
         with contextlib.suppress(ValueError, KeyError, aiodist.RendezvousError):
             await two.run(fn)
@@ -123,6 +128,7 @@ async def test_failed_runs_leave_no_cyclic_garbage(two):
             merge_fn_raises_never_awaited,
             async_merge_fn_raises,
             async_merge_fn_raises_never_awaited,
+            replica_cancelled_by_other_code,
         )
     ]
     for case in (*cases, default_context):

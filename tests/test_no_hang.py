@@ -13,6 +13,7 @@ import gc
 import inspect
 import sys
 import time
+import traceback
 import weakref
 from functools import partial
 
@@ -372,6 +373,29 @@ async def test_a_replica_cancelled_by_another_task_fails_the_run_as_documented(t
         await three.run(fn)
     await watching
     assert sorted(cancelled) == [0, 1, 2]
+
+
+async def test_a_replica_cancelled_by_other_code_is_the_cause_of_the_runs_error(two):
+    """The ReplicaExitedError of a replica cancelled by other code is chained to that
+    replica's CancelledError: without it, the traceback showed only run's frame, not
+    where the replica was, and the message given to cancel() was lost."""
+
+    async def stuck_in_the_replica():
+        await asyncio.Event().wait()
+
+    async def fn():
+        if rid() == 1:
+            task = asyncio.current_task()
+            asyncio.get_running_loop().call_soon(task.cancel, "stopped by the watchdog")
+        await stuck_in_the_replica()
+
+    with pytest.raises(aiodist.ReplicaExitedError, match="replica 1 was cancelled by some") as info:
+        await two.run(fn)
+    cause = info.value.__cause__
+    assert isinstance(cause, asyncio.CancelledError), repr(cause)
+    assert cause.args == ("stopped by the watchdog",)
+    frames = [frame.f_code.co_name for frame, _ in traceback.walk_tb(cause.__traceback__)]
+    assert "stuck_in_the_replica" in frames, frames
 
 
 async def _instrumented(coro):
