@@ -814,6 +814,11 @@ class RunGroup:
         collective that just failed, so each of them raises the shared error before
         the others are cancelled. (``exc`` itself, not read from the task: a task
         factory's wrapper may still be running when the callback runs.)"""
+        if type(exc) is GeneratorExit:
+            # The coroutine was closed, its task destroyed unfinished: the run is
+            # unreachable too (it holds its tasks), typically its loop closed with it
+            # in flight. Nothing to tell, and call_soon would raise on a closed loop.
+            return
         self._loop.call_soon(self._replica_failed, rid, exc)
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             # Raised in a task's first step (Python 3.12+), these come out of the

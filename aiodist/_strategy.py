@@ -428,7 +428,15 @@ class Strategy:
         ``repr()`` of the snapshot shows every rendezvous in flight with the
         replicas that arrived and the ones still missing.
         """
-        return snapshot(self._counters, self._live_groups, time.perf_counter())
+        live = self._live_groups
+        for group in tuple(live):  # (a copy made in C: safe against other threads' runs)
+            if group._loop.is_closed():
+                # Its loop was closed with it in flight (loop.close() without
+                # cancelling its tasks): it will never finish, nor leave the set
+                # itself. Dropped here, not counted in flight for ever (and not
+                # holding its replicas' tasks and arguments as long as the strategy).
+                live.discard(group)
+        return snapshot(self._counters, live, time.perf_counter())
 
     def scope(self) -> contextlib.AbstractContextManager[Strategy]:
         """Make this strategy current and enter cross-replica context (``with``).
