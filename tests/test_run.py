@@ -127,6 +127,28 @@ async def test_a_list_of_distributed_values_reaches_each_replica_as_its_own_list
     assert len(per) == 2  # the caller's list unchanged
 
 
+async def test_a_replica_raising_generator_exit_fails_its_run_with_it(two):
+    # GeneratorExit raised by replica code is a failure like any other: the run
+    # raises that object, and the replica waiting in the all-reduce is cancelled.
+    # (A check meant for coroutines closed after their loop closed once took every
+    # GeneratorExit for that, and the run waited for ever.)
+    mine = GeneratorExit("raised by the replica")
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        if ctx.replica_id_in_sync_group == 1:
+            await asyncio.sleep(0)
+            raise mine
+        return await ctx.all_reduce("sum", 1.0)
+
+    async with asyncio.timeout(10):
+        with pytest.raises(GeneratorExit) as caught:
+            await two.run(fn)
+    assert caught.value is mine
+    assert two.statistics().runs_in_flight == 0
+    assert (await two.run(lambda: 1.0)) == 1.0
+
+
 async def test_a_list_of_distributed_values_of_another_replica_count_is_refused(two):
     async def fn(values):
         return values
