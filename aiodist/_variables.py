@@ -913,7 +913,7 @@ class MirroredVariable(Variable):
         # one with assign, another with assign_add) would otherwise pair silently, and
         # the mirrored copies of each differ between workers.
         method = f"{self._name}.{kind}"
-        parts = await strategy._host_components(local, f"{self._name}.{kind}()")
+        parts = await strategy._host_components(local, f"{method}()")
         if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             # Global replica 0 is worker 0's first: its value, sent to every worker.
             timeout = strategy._communication_options.timeout_seconds

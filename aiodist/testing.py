@@ -169,8 +169,8 @@ def _checked_count(request: pytest.FixtureRequest, count: Any) -> int:
 
     The strategy fixtures check it again: a plain ``parametrize("aiodist_replicas",
     ...)`` (not indirect) hands its values to them without calling the
-    ``aiodist_replicas`` fixture, and ``cpu_strategy`` refused NumPy's ints (from
-    ``np.arange``) in its own words, naming neither the test nor the parameter."""
+    ``aiodist_replicas`` fixture, and ``cpu_strategy`` would refuse a bad count in
+    its own words, naming neither the test nor the parameter."""
     number = _count(count)
     if number is None:
         raise InvalidArgumentError(
