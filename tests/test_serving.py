@@ -1003,18 +1003,19 @@ async def _measure_lag_under_load():
         median = statistics.median(lateness)
         seen = f"p95 {p95 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, median {median * 1e3:.1f} ms"
         print(f"event-loop lag: {seen}")
-        # The loop serves while it computes: half its ticks wake within 5 ms, 95% within
-        # 30 ms. (Not counting the time its thread waited for a CPU: see loop_lag. On a
-        # 2-core machine, quiet or with four other processes keeping both cores busy
-        # (load average 4.2): median 0.0-1.2 ms, p95 0.2-6.2 ms; but one run in 11
-        # beside an MPI test run (load 2) made p95 18.2 ms on unchanged code, which
-        # failed the 15 ms bound first set here. Counting that wait, the loaded runs
-        # had made p95 50 ms and median 5.2 ms on unchanged code. A step that blocks
-        # the loop 5 ms per replica (time.sleep in examples/serve.py) still fails both
-        # ways: median 18.1 ms and p95 45 ms on asyncio, 17.5 and 19 ms on uvloop (the
-        # median); with the four other processes, asyncio's median fell to 0.2 ms,
-        # its p95 stayed 45 ms (the p95).)
-        assert median < 0.005 and p95 < 0.030, f"event-loop lag: {seen}"
+        # The loop serves while it computes: half its ticks wake within 10 ms, 95%
+        # within 40 ms. (Not counting the time its thread waited for a CPU: see
+        # loop_lag.) On a 2-core machine, quiet or with four other processes keeping
+        # both cores busy: median 0.0-1.2 ms, p95 0.2-6.2 ms on 2026-11-25's usual
+        # host; on 2026-11-25 evening's, 2.5x slower at everything (the benchmarks'
+        # floors too), asyncio's runs gave median 0.9-6.4 ms and p95 13-33 ms on
+        # unchanged code, failing the earlier bounds (5 ms, 30 ms) in one full suite
+        # run of five. A step that blocks the loop 5 ms per replica (time.sleep in
+        # examples/serve.py) still fails: median 18.1 ms and p95 45 ms on asyncio,
+        # 17.5 and 19 ms on uvloop (the median); with four other processes busy,
+        # asyncio's median fell to 0.2 ms, its p95 stayed 45 ms (the p95). A slower
+        # host makes a blocked loop's lag longer still.
+        assert median < 0.010 and p95 < 0.040, f"event-loop lag: {seen}"
 
 
 # -- regressions from review -----------------------------------------------------------
