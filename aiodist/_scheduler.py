@@ -931,6 +931,7 @@ class RunGroup:
         else:
             if self._failure is None:  # the run re-raises the first failure
                 self._failure = exc
+                self._note_replica(rid, exc)
                 self._cancel_all()
             self._replica_exited(rid, f"raised {type(exc).__name__}")
         # Other replicas may not have reported back yet (one cancelled before its
@@ -938,6 +939,29 @@ class RunGroup:
         # themselves (_drain).
         if not self._all_done.done():
             self._all_done.set_result(None)
+
+    def _note_replica(self, rid: int, exc: BaseException) -> None:
+        """Note on ``exc``, the error the run raises, which replica raised it: its
+        traceback shows the replica function's frames, but not which replica ran
+        them. Not where there is one replica, nor on what is not an Exception
+        (KeyboardInterrupt, SystemExit), nor on a failed collective's error (a
+        mismatch, a timeout, a merge_fn's exception): every replica waiting in it
+        raised that one alike, and its message names the replicas itself."""
+        strategy = self.strategy
+        if self.num_replicas == 1 or not isinstance(exc, Exception):
+            return
+        failed = self._rendezvous._failed if self._rendezvous is not None else None
+        if failed and any(call.failure is exc for call in failed):
+            return
+        note = (
+            f"(raised in replica {strategy._replica_offset + rid} of "
+            f"{strategy.num_replicas_in_sync}, on {self.devices[rid]}, by strategy.run)"
+        )
+        notes = getattr(exc, "__notes__", None)
+        # Once: a replica may raise one object again and again, run after run. (An
+        # exception whose __notes__ is no list refuses notes: it is left as it is.)
+        if notes is None or (type(notes) is list and note not in notes):
+            exc.add_note(note)
 
     def _replica_task_ended(self, rid: int, unstarted: list, task: asyncio.Task) -> None:
         """Done callback of replica ``rid``'s task, where it may have been cancelled

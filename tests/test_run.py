@@ -458,6 +458,49 @@ async def test_replica_exception_while_others_wait_in_collective(three):
     assert [float(v) for v in three.experimental_local_results(result)] == [6.0] * 3
 
 
+async def test_the_error_a_run_raises_notes_the_replica_that_raised_it(three):
+    """A failing assertion in one replica of three raised with nothing to say which
+    replica's frames its traceback shows. The run's error now carries a note naming
+    the replica and its device, added once however often one object is raised; a
+    failed collective's error, which every waiting replica raised alike and whose
+    message names the replicas, and the run of one replica, get none."""
+    boom = AssertionError("weights diverged")
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        if ctx.replica_id_in_sync_group == 2:
+            raise boom
+        return await ctx.all_reduce("sum", 1.0)
+
+    for _ in range(2):  # the same object from two runs: one note
+        with pytest.raises(AssertionError) as info:
+            await three.run(fn)
+        assert info.value is boom
+        assert boom.__notes__ == ["(raised in replica 2 of 3, on /device:CPU:2, by strategy.run)"]
+
+    merge_error = KeyError("merge_fn's")
+
+    def merge_fn(strategy):
+        raise merge_error
+
+    async def merges():
+        await aiodist.get_replica_context().merge_call(merge_fn)
+
+    with pytest.raises(KeyError) as info:
+        await three.run(merges)
+    assert info.value is merge_error
+    assert not hasattr(merge_error, "__notes__")
+
+    alone = ValueError("alone")
+
+    async def one_replica_fails():
+        raise alone
+
+    with pytest.raises(ValueError):
+        await aiodist.MirroredStrategy(["cpu:0"]).run(one_replica_fails)
+    assert not hasattr(alone, "__notes__")
+
+
 async def test_a_custom_task_factory_makes_the_replica_tasks_in_their_own_state(two):
     seen = []
 

@@ -1252,9 +1252,10 @@ async def test_a_step_failing_on_no_rows_says_that_replicas_had_none(two):
     with pytest.raises(ValueError, match="need at least one array to stack") as raised:
         await batcher.submit(np.ones((1, 3)))
     assert raised.value.__notes__ == [
+        "(raised in replica 1 of 2, on /device:CPU:1, by strategy.run)",
         "aiodist Batcher: this batch had 1 row for 2 replicas, so replica 1 ran the step on "
         "no rows (shape (0, 3)); if it fails there, make it return no rows for them (e.g. "
-        "np.empty((0, width)))."
+        "np.empty((0, width))).",
     ]
     await batcher.stop()
 

@@ -554,12 +554,13 @@ async def test_an_error_in_the_step_says_which_run_raised_it():
         await assert_same_on_replicas(first_row, np.arange(6.0).reshape(3, 2), combine="first")
     assert caught.value is failure
     assert failure.__notes__ == [
+        "(raised in replica 3 of 4, on /device:CPU:3, by strategy.run)",
         "(raised by assert_same_on_replicas running the step on 4 replica(s); rows of the "
-        "batch per replica: 1, 1, 1, 0)"
+        "batch per replica: 1, 1, 1, 0)",
     ]
     with pytest.raises(IndexError):  # the same object again: one note, not two
         await assert_same_on_replicas(first_row, np.arange(6.0).reshape(3, 2), replicas=(4,))
-    assert len(failure.__notes__) == 1
+    assert len(failure.__notes__) == 2
 
 
 async def test_a_nan_in_the_batch_keeps_the_default_atol_on_the_datas_scale():
