@@ -458,9 +458,8 @@ class CrossDeviceOps:
         devices = resolve_destinations(destinations)
         refuse_structure(per_replica_value, "CrossDeviceOps.reduce")
         arrays = _components(per_replica_value, "reduce")
-        check_alike(arrays, "reduce")
-        for array in arrays:
-            check_reducible(op, array, "reduce")
+        check_alike(op, arrays, "reduce")
+        check_reducible(op, arrays[0], "reduce")  # one dtype: check_alike said so
         if self._gather_device(devices).kind == "CPU" and _any_on_gpu(arrays):
             arrays = await host_copies(arrays)  # combined on the host
         reduced = self._reduce_arrays(op, arrays, devices[0])
@@ -877,14 +876,22 @@ def _per_replica_text(arrays: Sequence[Any]) -> str:
     return "; ".join(f"replica {i}: {leaf_text(a)}" for i, a in enumerate(arrays))
 
 
-def check_alike(arrays: Sequence[Any], where: str, axes: tuple[int, ...] = ()) -> None:
+def check_alike(
+    op: ReduceOp, arrays: Sequence[Any], where: str, axes: tuple[int, ...] = ()
+) -> None:
     """Raise ``InvalidArgumentError`` unless ``arrays`` share one dtype and one shape
-    (``axes``, non-negative: shapes may differ along these, which are reduced)."""
+    (``axes``, non-negative: shapes may differ along these, which are reduced), and
+    ``op`` can reduce that dtype."""
     if axes:
         shapes = {tuple(n for i, n in enumerate(a.shape) if i not in axes) for a in arrays}
     else:  # one C-level pass, no Python step per array
         shapes = set(map(_SHAPE, arrays))
     if len(shapes) > 1 or len(set(map(_DTYPE, arrays))) > 1:
+        # A part no dtype of the others' would make reducible (a Python int beyond 64
+        # bits, which NumPy holds as dtype object, beside the others' int64) is named
+        # for what it is, not as a dtype that differs.
+        for replica, array in enumerate(arrays):
+            check_reducible(op, array, f"{where} (replica {replica}'s value)")
         seen = _per_replica_text(arrays)
         hint = (
             f"shapes may differ only along the reduced axes {axes}"

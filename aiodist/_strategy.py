@@ -804,11 +804,11 @@ def _local_parts(op: ReduceOp, parts: list, axis: Any) -> tuple[list, int]:
     ``axis``, each reduced along it (MEAN: summed); and how many elements a MEAN
     divides by."""
     if axis is None:
-        check_alike(parts, "reduce")
+        check_alike(op, parts, "reduce")
         check_reducible(op, parts[0], "reduce")  # one dtype: check_alike said so
         return parts, len(parts)
     axes = _normalise_axis(axis, parts)
-    check_alike(parts, "reduce", axes)
+    check_alike(op, parts, "reduce", axes)
     check_reducible(op, parts[0], "reduce")
     count = sum(int(np.prod([p.shape[a] for a in axes])) for p in parts)
     ufunc = getattr(np, op.ufunc)  # MEAN's is add

@@ -694,6 +694,19 @@ async def test_an_int_beyond_64_bits_is_named_with_what_fits(two, value, shown):
         await two.reduce("max", aiodist.PerReplica([2**70, 2**70]), axis=None)
 
 
+@pytest.mark.parametrize("values", [[2**70, 1], [1, 2**70]], ids=["first", "second"])
+async def test_an_int_beyond_64_bits_beside_a_small_one_is_named_by_reduce(two, values):
+    # One replica's int beyond 64 bits (dtype object) and the other's int64 were
+    # refused as "per-replica values differ in shape or dtype (replica 0: object[];
+    # replica 1: int64[])": a dtype the caller never chose, and no word of the int.
+    big = values.index(2**70)
+    expected = rf"^reduce \(replica {big}'s value\): cannot reduce the int 1180591620717411303424"
+    with pytest.raises(aiodist.InvalidArgumentError, match=expected):
+        await two.reduce("sum", aiodist.PerReplica(values), axis=None)
+    with pytest.raises(aiodist.InvalidArgumentError, match=expected):
+        await aiodist.ReductionToOneDevice().reduce("sum", aiodist.PerReplica(values), "cpu:0")
+
+
 def _layers(change: str) -> dict:
     """300 float32 arrays by name; on replica 1, ``change`` applied to 'layer150'."""
     value = {f"layer{i}": np.zeros((2, 3), np.float32) for i in range(300)}
