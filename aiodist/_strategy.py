@@ -667,7 +667,11 @@ class Strategy:
             self.extended._distributed(op, value)  # raises for SUM/PRODUCT of a plain value
         parts, count = _local_parts(op, parts, axis)
         if axis is not None and op is ReduceOp.MEAN:
-            return np.asarray(np.true_divide(sum(parts), count))
+            # The replicas' sums added by the cross-device ops, as TF adds its
+            # numerator, and as SUM with axis and MEAN without are (a subclass's
+            # reduction, an accumulation_fn); then divided by the element count.
+            total = self.extended._cross_device_ops._reduce_arrays(ReduceOp.SUM, parts, _HOST)
+            return np.asarray(np.true_divide(total, count))
         if len(parts) == 1 and op is ReduceOp.MEAN:  # integers: a float mean, as always
             return mean_of_sum(np, np.array(parts[0], copy=True), 1)
         # Straight to the reduction primitive: the parts are host arrays already.

@@ -93,6 +93,32 @@ async def test_reduce_with_axis_uses_true_element_count(three):
     assert float(await three.reduce("product", value, axis=[0])) == 720.0
 
 
+async def test_reduce_mean_with_axis_sums_across_replicas_with_the_strategys_ops():
+    """MEAN with axis adds the replicas' sums with the strategy's cross-device ops (TF
+    sums its numerator with them), as SUM with axis and MEAN without do: a subclass's
+    reduction and an accumulation_fn apply to it too. (It added them with Python's
+    sum, so a Halving subclass halved SUM with axis and MEAN without, not this.)"""
+
+    class Halving(aiodist.ReductionToOneDevice):  # reduces its own way
+        def _reduce_arrays(self, op, arrays, target):
+            return np.asarray(super()._reduce_arrays(op, arrays, target) / 2)
+
+    calls = []
+
+    def add_n(values):
+        calls.append(len(values))
+        return np.add.reduce(values)
+
+    value = aiodist.PerReplica([np.array([1.0, 2.0]), np.array([3.0])])
+    halving = aiodist.MirroredStrategy(cpu_devices(2), cross_device_ops=Halving())
+    assert float(await halving.reduce("sum", value, axis=0)) == 3.0  # (1 + 2 + 3) / 2
+    assert float(await halving.reduce("mean", value, axis=0)) == 1.0  # (1 + 2 + 3) / 2 / 3
+    ops = aiodist.ReductionToOneDevice(accumulation_fn=add_n)
+    strategy = aiodist.MirroredStrategy(cpu_devices(2), cross_device_ops=ops)
+    assert float(await strategy.reduce("mean", value, axis=0)) == 2.0
+    assert calls == [2]
+
+
 @pytest.mark.parametrize("dtype", [np.int64, np.uint64])
 async def test_reduce_mean_with_axis_sums_large_integers_without_wrapping(two, dtype):
     big = np.iinfo(dtype).max // 2  # two of them overflow the dtype
