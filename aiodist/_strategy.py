@@ -671,11 +671,16 @@ class Strategy:
             # numerator, and as SUM with axis and MEAN without are (a subclass's
             # reduction, an accumulation_fn); then divided by the element count.
             total = self.extended._cross_device_ops._reduce_arrays(ReduceOp.SUM, parts, _HOST)
+            if type(total) is not np.ndarray:
+                total = await _on_host(total)
             return np.asarray(np.true_divide(total, count))
         if len(parts) == 1 and op is ReduceOp.MEAN:  # integers: a float mean, as always
             return mean_of_sum(np, np.array(parts[0], copy=True), 1)
         # Straight to the reduction primitive: the parts are host arrays already.
-        return self.extended._cross_device_ops._reduce_arrays(op, parts, _HOST)
+        total = self.extended._cross_device_ops._reduce_arrays(op, parts, _HOST)
+        if type(total) is not np.ndarray:
+            total = await _on_host(total)
+        return total
 
     def _reduces_scalars(self, parts: tuple) -> bool:
         """Whether ``reduce(op, PerReplica(parts), axis=None)`` may combine ``parts``
@@ -790,6 +795,18 @@ class Strategy:
             yield
         finally:
             backend.order_replicas_after(self._slots)
+
+
+async def _on_host(total: Any) -> np.ndarray:
+    """``strategy.reduce``'s result as a host array, where the cross-device ops' reduction
+    (which may combine host parts elsewhere) gave something else: the copy, made in
+    stream order, of a CuPy array (a ReductionToOneDevice whose reduce_to_device is a
+    GPU reduces there), else a NumPy scalar (a subclass's np.sum of 0-d arrays) as a
+    0-d array. Either came back as it was, instead of the NumPy array promised."""
+    if is_cupy_array(total):
+        (total,) = await host_copies([total])
+        return total
+    return np.asarray(total)
 
 
 def _local_component(replica_id: int, num_replicas: int, leaf: Any) -> Any:

@@ -119,6 +119,29 @@ async def test_reduce_mean_with_axis_sums_across_replicas_with_the_strategys_ops
     assert calls == [2]
 
 
+async def test_reduce_gives_an_array_where_a_subclass_reduces_to_a_numpy_scalar():
+    """A CrossDeviceOps subclass's _reduce_arrays may give a NumPy scalar (np.sum of
+    0-d arrays); strategy.reduce still returns a NumPy array, as reduce_to and the
+    replicas' all_reduce do. (It returned the np.float32 itself.)"""
+
+    class Stacking(aiodist.CrossDeviceOps):
+        def _reduce_arrays(self, op, arrays, target):
+            return getattr(np, op.ufunc).reduce(np.stack(arrays))  # 0-d inputs: a scalar
+
+    strategy = aiodist.MirroredStrategy(cpu_devices(2), cross_device_ops=Stacking())
+    scalars = aiodist.PerReplica([np.float32(1), np.float32(2)])
+    rows = aiodist.PerReplica([np.array([1.0, 2.0], np.float32), np.array([3.0], np.float32)])
+    for op, value, axis, expected in [
+        ("sum", scalars, None, 3.0),
+        ("max", rows, 0, 3.0),
+        ("mean", rows, 0, 2.0),
+    ]:
+        result = await strategy.reduce(op, value, axis=axis)
+        assert type(result) is np.ndarray, (op, axis, type(result))
+        assert result.dtype == np.float32 and result.shape == () and float(result) == expected
+        assert result.flags.writeable
+
+
 @pytest.mark.parametrize("dtype", [np.int64, np.uint64])
 async def test_reduce_mean_with_axis_sums_large_integers_without_wrapping(two, dtype):
     big = np.iinfo(dtype).max // 2  # two of them overflow the dtype

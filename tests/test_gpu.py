@@ -227,6 +227,29 @@ async def test_reduce_and_gather_come_back_as_host_arrays():
     np.testing.assert_array_equal(gathered, [0, 1, 2, 0, 2, 4])
 
 
+async def test_reduce_with_a_gpu_reduce_to_device_comes_back_as_host_arrays():
+    """ReductionToOneDevice("GPU:0") reduces strategy.reduce's host copies on the GPU
+    again; the result is copied back to the host (it was returned as a CuPy array,
+    and MEAN with an axis failed on NumPy's refusal of one)."""
+    strategy = aiodist.MirroredStrategy(["GPU:0"] * 2, aiodist.ReductionToOneDevice("GPU:0"))
+
+    async def fn():
+        rid = aiodist.get_replica_context().replica_id_in_sync_group
+        return cupy.arange(3, dtype=cupy.float64) * (rid + 1)
+
+    values = await strategy.run(fn)
+    with strategy.scope():
+        for op, axis, expected in [
+            ("sum", None, [0.0, 3.0, 6.0]),
+            ("max", None, [0.0, 2.0, 4.0]),
+            ("sum", 0, 9.0),
+            ("mean", 0, 1.5),
+        ]:
+            result = await strategy.reduce(op, values, axis=axis)
+            assert type(result) is np.ndarray, (op, axis, type(result))
+            np.testing.assert_array_equal(result, expected)
+
+
 async def test_gpu_values_reduced_broadcast_and_gathered_to_a_host_destination():
     """reduce_to / batch_reduce_to / broadcast_to and the ops' gather with a host
     destination ("cpu:0") copy the GPU values to the host first: they were combined
