@@ -508,6 +508,29 @@ def test_values_from_function_example_3_num_replicas_in_sync(two):
     assert local_result == (2, 2)
 
 
+async def test_values_from_function_example_4_values_made_per_worker_device(two):
+    """Strategy.experimental_distribute_values_from_function, example 4 (TF's is on a
+    TPUStrategy, made under ``tf.device(worker_devices[i])``): one value made per
+    replica for its worker device, ``value_fn`` picking replica i's. The local
+    results are those very values, on the worker devices; here they are 1.0 each
+    (float32), so their SUM is 2.0. On CPU devices a NumPy array needs no placing."""
+    worker_devices = two.extended.worker_devices
+    multiple_values = []
+    for i in range(two.num_replicas_in_sync):
+        assert worker_devices[i] == f"/device:CPU:{i}"
+        multiple_values.append(np.float32(1.0))
+
+    def value_fn(ctx):
+        return multiple_values[ctx.replica_id_in_sync_group]
+
+    distributed_values = two.experimental_distribute_values_from_function(value_fn)
+
+    local = two.experimental_local_results(distributed_values)
+    assert all(v is m for v, m in zip(local, multiple_values, strict=True))
+    assert distributed_values.devices == worker_devices
+    assert_tensor(await two.reduce("sum", distributed_values, axis=None), 2.0, np.float32)
+
+
 # -- tf.distribute.experimental.ValueContext (distribute_lib.py) -----------------------
 
 
@@ -866,6 +889,50 @@ async def test_replica_context_update_example_through_merge_call(two):
     assert [c.device for c in returned.values] == ["/device:CPU:0", "/device:CPU:1"]
     for value in two.experimental_local_results(distributed_variable):
         assert_tensor(value, 1.0, np.float32)
+
+
+async def test_replica_context_update_example_2_computation_after_all_reduce(two):
+    """ReplicaContext._update, second example (no numbers in TF's text): a SUM
+    variable of 5.0; each replica computes a value from its input, all-reduces it,
+    and updates the variable with ``update_fn``, whose computation runs once per
+    copy, on the copy's device. With inputs 1.0 and 2.0, ``computation`` doubling
+    (2 + 4, all-reduced: 6) and ``post_reduce_pre_update_computation`` adding 1,
+    both copies read 7.0 (float32). (TF's snippet assigns ``value`` where it means
+    the computed ``updated_value``; aiodist's replica-context update is
+    ``extended.update`` through ``merge_call``, as TF's ``_update`` is inside.)"""
+    with two.scope():
+        v = aiodist.Variable(np.float32(5.0), aggregation=aiodist.VariableAggregation.SUM)
+    inputs = two.experimental_distribute_values_from_function(
+        lambda ctx: np.float32(ctx.replica_id_in_sync_group + 1)
+    )
+    devices_updated = []
+
+    def computation(x):
+        return x * 2
+
+    def post_reduce_pre_update_computation(value):
+        return value + 1
+
+    async def replica_fn(inputs):
+        value = computation(inputs)
+        replica_context = aiodist.get_replica_context()
+        reduced_value = await replica_context.all_reduce("sum", value)
+
+        def update_fn(var, value):
+            devices_updated.append(var.device)
+            updated_value = post_reduce_pre_update_computation(value)
+            return var.assign(updated_value)
+
+        def merge_fn(strategy, value):
+            return strategy.extended.update(v, update_fn, args=(value,))
+
+        await replica_context.merge_call(merge_fn, args=(reduced_value,))
+
+    await two.run(replica_fn, args=(inputs,))
+
+    assert devices_updated == ["/device:CPU:0", "/device:CPU:1"]
+    for value in two.experimental_local_results(v):
+        assert_tensor(value, 7.0, np.float32)
 
 
 # -- ReplicaContext.merge_call outside a distributed scope (distribute_lib.py) ---------
