@@ -244,8 +244,29 @@ _NO_REDUCTION = (
 class CrossDeviceOps:
     """Base class of the ways to reduce, broadcast and gather across devices.
 
-    Subclasses implement ``_reduce_arrays`` and may override the other
-    primitives; the public coroutines are built on them.
+    Subclasses implement ``_reduce_arrays(op, arrays, target)`` and may override
+    the other primitives; the public coroutines are built on them. Every
+    reduction goes through it: the replicas' ``all_reduce`` (a list of values
+    packed into one flat array per replica), ``strategy.reduce`` and
+    ``extended.reduce_to``. ``arrays`` holds one value per replica, all of one
+    shape and dtype (NumPy arrays or NumPy scalars on CPU devices, CuPy arrays on
+    GPUs, integers as they are for MEAN too); it returns ``op`` (a ``ReduceOp``:
+    MEAN divides by ``len(arrays)``) applied across them element-wise, as a new
+    array on ``target`` (results are shared: never one of the inputs).
+
+    Examples:
+        >>> import numpy as np
+        >>> import aiodist
+        >>> class Logged(aiodist.CrossDeviceOps):
+        ...     def _reduce_arrays(self, op, arrays, target):
+        ...         print(op.name, len(arrays), "values on", target)
+        ...         total = getattr(np, op.ufunc).reduce(np.stack(arrays))
+        ...         return np.asarray(total / len(arrays) if op.name == "MEAN" else total)
+        >>> strategy = aiodist.MirroredStrategy(["cpu:0", "cpu:1"], cross_device_ops=Logged())
+        >>> values = aiodist.PerReplica([np.array([1.0, 2.0]), np.array([3.0, 4.0])])
+        >>> aiodist.run(strategy.reduce("mean", values))
+        MEAN 2 values on /device:CPU:0
+        array([2., 3.])
     """
 
     # Whether the replica-context collectives issue work on the replicas' own
