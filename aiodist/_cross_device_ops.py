@@ -33,7 +33,7 @@ import numpy as np
 from . import _context
 from ._arrays import as_axis, check_reducible, gather_axis, leaf_text, mean_of_sum, mean_operand
 from ._backends import backend_for, cpu_backend, is_cupy_array, is_cupy_type
-from ._checks import refuse_ragged, whole_number
+from ._checks import options_or_default, refuse_ragged, whole_number
 from ._devices import HOST, Device, parse_device
 from ._errors import InvalidArgumentError
 from ._host_reduce import combine as host_combine
@@ -476,6 +476,7 @@ class CrossDeviceOps:
         """
         _context.require_cross_replica(None, "CrossDeviceOps.reduce")
         op = ReduceOp.of(reduce_op)
+        _check_options(options, "reduce")
         devices = resolve_destinations(destinations)
         refuse_structure(per_replica_value, "CrossDeviceOps.reduce")
         arrays = _components(per_replica_value, "reduce")
@@ -496,6 +497,7 @@ class CrossDeviceOps:
     ) -> list:
         """``reduce`` for each ``(value, destinations)`` pair; a list of results."""
         _context.require_cross_replica(None, "CrossDeviceOps.batch_reduce")
+        _check_options(options, "batch_reduce")
         given = value_destination_pairs
         try:
             # A list first, as TF takes it: a generator checked below would be used up.
@@ -544,6 +546,7 @@ class CrossDeviceOps:
     ) -> Any:
         """Concatenate the components of ``per_replica_value`` along ``axis``."""
         _context.require_cross_replica(None, "CrossDeviceOps.gather")
+        _check_options(options, "gather")
         axis = as_axis(axis, "gather")  # (axis=None or "0" failed in a comparison)
         devices = resolve_destinations(destinations)
         refuse_structure(per_replica_value, "CrossDeviceOps.gather")
@@ -840,6 +843,14 @@ class NcclAllReduce(CrossDeviceOps):
         from . import _cuda
 
         return _cuda.all_gather(per_replica, axis, devices, streams, backend_for(devices[0]))
+
+
+def _check_options(options: Any, method: str) -> None:
+    """Raise ``InvalidArgumentError`` unless ``options`` is None or a
+    ``CommunicationOptions``: the cross-device ops' methods took anything and
+    ignored it (a dict of fields, a string), where a strategy's calls refuse it."""
+    if options is not None and type(options) is not CommunicationOptions:
+        options_or_default(CommunicationOptions, options, f"CrossDeviceOps.{method}: options")
 
 
 def _combine_on_device(xp: Any, op: ReduceOp, values: Sequence[Any]) -> Any:

@@ -601,6 +601,28 @@ async def test_cross_device_ops_batch_reduce_takes_any_iterable_of_pairs():
             await ops.batch_reduce("sum", bad)
 
 
+@pytest.mark.parametrize("options", ["fast", {"bytes_per_pack": 1024}, 5])
+async def test_cross_device_ops_refuse_options_that_are_not_communication_options(options):
+    """CrossDeviceOps.reduce, batch_reduce and gather took any options and ignored them
+    (a dict of fields looked accepted), where the strategy's reduce_to refuses them."""
+    ops = aiodist.ReductionToOneDevice()
+    value = aiodist.PerReplica([np.array([1, 2]), np.array([3, 4])])
+    for method, call in [
+        ("reduce", lambda: ops.reduce("sum", value, "cpu:0", options=options)),
+        ("batch_reduce", lambda: ops.batch_reduce("sum", [(value, "cpu:0")], options=options)),
+        ("gather", lambda: ops.gather(value, "cpu:0", 0, options=options)),
+    ]:
+        expected = rf"^CrossDeviceOps.{method}: options=.*; expected aiodist.CommunicationOptions"
+        with pytest.raises(aiodist.InvalidArgumentError, match=expected):
+            await call()
+    given = aiodist.CommunicationOptions(bytes_per_pack=1024)
+    np.testing.assert_array_equal(await ops.reduce("sum", value, "cpu:0", given), [4, 6])
+    (reduced,) = await ops.batch_reduce("sum", [(value, "cpu:0")], given)
+    np.testing.assert_array_equal(reduced, [4, 6])
+    gathered = await ops.gather(value, "cpu:0", 0, options=given)
+    np.testing.assert_array_equal(gathered, [1, 2, 3, 4])
+
+
 @pytest.mark.parametrize("axis", [None, "0", 1.0, True])
 async def test_cross_device_ops_gather_refuses_an_axis_that_is_not_an_int(axis):
     """CrossDeviceOps.gather took its axis unchecked (strategy.gather checks it): None
