@@ -56,6 +56,12 @@ cannot take a failed input for a complete one. (TF's ``DistributedIterator``
 documents nothing after an error.) A plain ``for`` reads the source on demand:
 after an error it gets whatever the source gives next (a generator that raised
 has ended: ``StopIteration``); once the source has run out, it is closed too.
+The producer task cancelled by other code (a shutdown cancelling every task, the
+end of ``asyncio.run()``) fails the pass the same way, with ``ContextError``,
+after the batches it had fetched. An ``async for`` pass is read on the event
+loop it began on: ``anext`` on another raises ``ContextError`` (its producer,
+there, would never answer), and ``aclose()`` there raises it too, unless that
+loop is closed (then nothing is left to stop).
 
 On GPUs each shard is copied on its replica's stream, after that stream waits
 for the device's current stream (where the source may make its arrays), and the
@@ -467,9 +473,10 @@ class _Pipeline:
     iterator can cancel this pipeline.
     """
 
-    def __init__(self, fetch: Callable[[], Any], close: Callable[[], Any], depth: int):
+    def __init__(self, fetch: Callable[[], Any], close: Callable[[], Any], depth: int, where: str):
         self._fetch = fetch  # async () -> (more, element)
         self._close = close  # async () -> None
+        self._where = where  # the API the user called, for messages
         self._free = asyncio.Semaphore(depth)
         self._ready: deque = deque()
         self._finished = False  # an "end" or "error" entry was pushed
@@ -547,6 +554,14 @@ class _Pipeline:
                     await self._close_at_end()
                     return
                 self._push(("item", element))
+        except asyncio.CancelledError:
+            if not (self._finished or self._closing):
+                # Cancelled by other code, not by cancel() (which ends the pass
+                # first): a shutdown cancelling every task, asyncio.run() ending its
+                # loop. The pass is incomplete: ending it would pass the batches
+                # never fetched off as the end of the dataset.
+                self._fail(self._cancelled_by_others())
+            raise
         finally:
             if not self._finished:  # stopped early (aclose, break): consumers see the end
                 self._push(("end", None))
@@ -584,7 +599,31 @@ class _Pipeline:
         without end for a consumer that reads on after the error (3 frames an anext)."""
         self._push(("error", (exc, exc.__traceback__)))
 
+    def _cancelled_by_others(self) -> ContextError:
+        return ContextError(
+            f"{self._where}: the task prefetching this pass's batches was cancelled by "
+            "other code, not by aclose() or by leaving the `async for` (for example a "
+            "shutdown that cancelled every task, or asyncio.run() ending the loop the "
+            "pass began on); the pass is incomplete, so it does not end as if the "
+            "dataset had run out. Leave that task to aiodist (aclose() the iterator to "
+            "stop it), and start a new pass over the dataset."
+        )
+
+    def on_another_loop(self, called: str) -> ContextError:
+        closed = ", now closed" if self.loop.is_closed() else ""
+        return ContextError(
+            f"{self._where}: {called} on an iterator whose pass began on another event "
+            f"loop{closed}, where its batches are prefetched; an iterator is read on "
+            "the loop that began its pass (each asyncio.run(), each test of "
+            "pytest-asyncio, has a loop of its own). Start a new pass over the "
+            "dataset (`async for`, or aiter()) on this loop."
+        )
+
     async def get(self) -> Any:
+        if asyncio.get_running_loop() is not self.loop:
+            # Its producer, semaphore and waiters belong to the loop the pass began
+            # on: waiting for them here, the read never ended (that loop closed).
+            raise self.on_another_loop("anext()")
         while not self._ready:
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
@@ -665,6 +704,7 @@ class DistributedIterator:
                 lambda: dataset._next(source, prefetching=True),
                 source.aclose,
                 dataset._options.experimental_per_replica_buffer_size,
+                dataset._where,
             )
         return await self._pipeline.get()
 
@@ -681,6 +721,10 @@ class DistributedIterator:
             source, self._sync_source = self._sync_source, None
             await source.aclose()
         if self._pipeline is not None:
+            if self._pipeline.loop is not asyncio.get_running_loop():
+                if self._pipeline.loop.is_closed():
+                    return  # nothing runs there any more (asyncio reports its tasks)
+                raise self._pipeline.on_another_loop("aclose()")
             self._pipeline.cancel()
             if self._pipeline.task is not None:  # (None: it has ended)
                 await asyncio.gather(self._pipeline.task, return_exceptions=True)

@@ -903,3 +903,72 @@ async def test_a_pass_left_early_over_a_one_shot_source_drops_its_prefetched_bat
     with pytest.raises(aiodist.InvalidArgumentError, match=r"one-shot iterator"):
         async for _ in dataset:
             pass
+
+
+@pytest.mark.parametrize("while_", ["waiting for room", "fetching"])
+async def test_a_producer_cancelled_by_other_code_fails_the_pass_instead_of_ending_it(two, while_):
+    """The task prefetching a pass, cancelled by code other than aiodist's (a
+    shutdown helper cancelling every task): the consumer saw the end of the
+    dataset, the batches not yet read silently dropped (2 of 100 read, taken for a
+    whole epoch)."""
+    gate = asyncio.Event()
+
+    async def source():
+        for i in range(100):
+            if while_ == "fetching" and i == 2:
+                await gate.wait()  # the producer waits here, in the fetch
+            yield np.full(2, i)
+
+    iterator = aiter(two.experimental_distribute_dataset(source()))
+    assert (await anext(iterator)).values[0][0] == 0
+    await wait_until(lambda: len(_producers()) == 1, "the producer running")
+    if while_ == "fetching":
+        assert (await anext(iterator)).values[0][0] == 1
+    await asyncio.sleep(0)  # (the producer waits for room, or in the fetch)
+    for task in _producers():
+        task.cancel()
+    await wait_until(lambda: not _producers(), "the producer cancelled")
+    if while_ == "waiting for room":  # the batch fetched ahead is whole
+        assert (await anext(iterator)).values[0][0] == 1
+    for _ in range(2):  # and every later read, as after a source's error
+        with pytest.raises(aiodist.ContextError, match=r"cancelled by other code"):
+            await asyncio.wait_for(anext(iterator), 2)
+    await iterator.aclose()
+
+
+@pytest.mark.parametrize("factory", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("closed", ["as asyncio.run does", "without cancelling"])
+def test_an_iterator_read_on_another_loop_raises_instead_of_hanging(two, factory, closed):
+    """A pass begun on a loop now closed (a fixture or module-level iterator read by
+    the next test), read on a new loop: with its tasks cancelled first, the batch
+    fetched ahead came out and then the end (3 of 5 batches dropped, silently);
+    closed without that, "Event loop is closed", then every read waited for ever."""
+    if factory == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        new_loop = uvloop.new_event_loop
+    else:
+        new_loop = asyncio.new_event_loop
+    iterator = aiter(two.experimental_distribute_dataset([np.full(2, i) for i in range(5)]))
+    first = new_loop()
+    try:
+        assert first.run_until_complete(anext(iterator)).values[0][0] == 0
+        if closed == "as asyncio.run does":
+            for task in asyncio.all_tasks(first):
+                task.cancel()
+            first.run_until_complete(asyncio.sleep(0))
+    finally:
+        first.close()
+
+    async def read_on():
+        for _ in range(2):
+            with pytest.raises(aiodist.ContextError, match=r"began on another event loop"):
+                await asyncio.wait_for(anext(iterator), 2)
+        await iterator.aclose()  # (nothing left to stop: the loop is closed)
+        with pytest.raises(StopAsyncIteration):
+            await anext(iterator)
+
+    second = new_loop()
+    try:
+        second.run_until_complete(read_on())
+    finally:
+        second.close()
