@@ -30,7 +30,9 @@ distribute it again for each pass.
 
 Prefetching: ``async for`` starts one producer task per iteration that keeps at
 most ``InputOptions.experimental_per_replica_buffer_size`` elements fetched
-ahead of the consumer (a semaphore bounds it, so memory stays bounded). The
+ahead of the consumer (a semaphore bounds it, so memory stays bounded); with 0
+(as in TF, no prefetching) it fetches an element only when a consumer asks for
+one, one per consumer waiting. The
 producer holds no reference to the iterator, so leaving an ``async for`` early
 (``break``) drops the iterator, which cancels the producer and closes the
 source; ``aclose()`` or ``async with`` do the same explicitly. The elements
@@ -137,7 +139,8 @@ class InputOptions:
             its elements on the replica's device, and aiodist transfers none (as
             in TF: only with ``PER_REPLICA`` and ``experimental_fetch_to_device=False``).
         experimental_per_replica_buffer_size: how many elements to fetch ahead
-            of the consumer (at least 1).
+            of the consumer; 0 fetches each one when the ``async for`` asks for
+            it (no prefetching, as in TF).
     """
 
     experimental_fetch_to_device: bool | None = None
@@ -147,7 +150,7 @@ class InputOptions:
 
     def __post_init__(self) -> None:
         name = "experimental_per_replica_buffer_size"
-        object.__setattr__(self, name, whole_number(getattr(self, name), name, 1))  # (frozen)
+        object.__setattr__(self, name, whole_number(getattr(self, name), name, 0))  # (frozen)
         name = "experimental_replication_mode"
         mode = member(InputReplicationMode, getattr(self, name), name)
         object.__setattr__(self, name, mode)  # a frozen dataclass
@@ -477,7 +480,10 @@ class _Pipeline:
         self._fetch = fetch  # async () -> (more, element)
         self._close = close  # async () -> None
         self._where = where  # the API the user called, for messages
+        # Room for elements fetched ahead; with depth 0 (no prefetching), each
+        # consumer that finds nothing ready makes room for one (get).
         self._free = asyncio.Semaphore(depth)
+        self._on_demand = depth == 0
         self._ready: deque = deque()
         self._finished = False  # an "end" or "error" entry was pushed
         self._started = False
@@ -624,13 +630,16 @@ class _Pipeline:
             # Its producer, semaphore and waiters belong to the loop the pass began
             # on: waiting for them here, the read never ended (that loop closed).
             raise self.on_another_loop("anext()")
+        if self._on_demand and not self._ready:
+            self._free.release()  # ask for one element (one per waiting consumer)
         while not self._ready:
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
             await waiter
         kind, value = self._ready.popleft()
         if kind == "item":
-            self._free.release()
+            if not self._on_demand:
+                self._free.release()
             return value
         self._ready.appendleft((kind, value))  # stay exhausted / failed
         if kind == "error":

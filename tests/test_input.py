@@ -130,7 +130,7 @@ async def test_dataset_feeds_run_and_reduce(strategy, num_replicas):
     assert total == float(np.sum(data))
 
 
-@pytest.mark.parametrize("depth", [1, 3])
+@pytest.mark.parametrize("depth", [0, 1, 3])
 async def test_prefetch_depth_is_honoured(two, depth):
     consumed = []
 
@@ -276,8 +276,8 @@ def test_non_iterables_and_bad_options(two):
             two.distribute_datasets_from_function(lambda context, bad=bad: bad)
     with pytest.raises(ValueError, match=r"options=3"):
         two.experimental_distribute_dataset([], options=3)
-    with pytest.raises(ValueError, match=r"experimental_per_replica_buffer_size=0"):
-        aiodist.InputOptions(experimental_per_replica_buffer_size=0)
+    with pytest.raises(ValueError, match=r"experimental_per_replica_buffer_size=-1"):
+        aiodist.InputOptions(experimental_per_replica_buffer_size=-1)
     with pytest.raises(
         ValueError, match=r"experimental_replication_mode='each'; expected one of PER_WORKER"
     ):

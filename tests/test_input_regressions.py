@@ -972,3 +972,31 @@ def test_an_iterator_read_on_another_loop_raises_instead_of_hanging(two, factory
         second.run_until_complete(read_on())
     finally:
         second.close()
+
+
+async def test_a_buffer_size_of_zero_fetches_each_batch_when_asked_as_in_tf(two):
+    """TF: ``experimental_per_replica_buffer_size=0`` disables prefetching. aiodist
+    refused 0 ("expected an int >= 1"), so TF code setting it failed at the call.
+    Each batch is now fetched when a consumer asks for it, one per consumer
+    waiting, and the end is seen as with prefetching."""
+    made = []
+
+    def source():
+        for i in range(3):
+            made.append(i)
+            yield np.full(2, i)
+
+    options = aiodist.InputOptions(experimental_per_replica_buffer_size=0)
+    assert options.experimental_per_replica_buffer_size == 0
+    iterator = aiter(two.experimental_distribute_dataset(source(), options))
+    first = await anext(iterator)
+    for _ in range(20):  # every chance for a producer to run ahead
+        await asyncio.sleep(0)
+    assert made == [0]
+    # Two consumers waiting at once each get a batch of their own; a third, the end.
+    results = await asyncio.wait_for(
+        asyncio.gather(*(anext(iterator) for _ in range(3)), return_exceptions=True), 2
+    )
+    assert [b.values[0][0] for b in [first, *results[:2]]] == [0, 1, 2]
+    assert isinstance(results[2], StopAsyncIteration)
+    assert made == [0, 1, 2]
