@@ -339,9 +339,6 @@ def _check_iterable(iterable: Any, where: str, made_by: str = "") -> None:
     iterates its keys, so it is a batch passed where a dataset of batches belongs.
     ``made_by`` names, for the message, the call that returned ``iterable``
     (``dataset_fn``'s, with its ``InputContext``), if it is not the user's own."""
-    # "dataset_fn=f returned None, which ...", or "None ...": the bad value alone
-    # did not say it came from dataset_fn, nor from which replica's call.
-    subject = f"{made_by} returned {iterable!r}, which" if made_by else repr(iterable)
     the_dataset = f"{made_by} returned" if made_by else "the dataset is"
     kind = type(iterable)
     iterable_kind = any(
@@ -364,6 +361,12 @@ def _check_iterable(iterable: Any, where: str, made_by: str = "") -> None:
         )
     if iterable_kind and not isinstance(iterable, str | bytes) and not zero_d:
         return
+    # "dataset_fn=f returned None, which ...", or "None ...": the bad value alone
+    # did not say it came from dataset_fn, nor from which replica's call. (Printed
+    # only here, cut short: NumPy took 25 s to print a list of 5000 batches, for a
+    # message not raised, at the call and at every pass.)
+    shown = short_repr(iterable)
+    subject = f"{made_by} returned {shown}, which" if made_by else shown
     raise InvalidArgumentError(
         f"{where}: {subject} is not iterable; expected an iterable or async "
         "iterable of batches (a list, a generator, an async generator, ...)."
