@@ -618,6 +618,18 @@ class _Pipeline:
             "stop it), and start a new pass over the dataset."
         )
 
+    def describe(self) -> str:
+        """The state of the pass, for the iterator's repr."""
+        ahead = sum(kind == "item" for kind, _ in self._ready)
+        text = f"read by `async for`, {ahead} batch{'es' if ahead != 1 else ''} fetched ahead"
+        end = next((entry for entry in self._ready if entry[0] != "item"), None)
+        if end is None:
+            return text
+        if end[0] == "error":
+            failed = f"failed: {short_repr(end[1][0])}"
+            return f"{text}, then {failed}" if ahead else failed
+        return f"{text}, then the end" if ahead else "ended"
+
     def on_another_loop(self, called: str) -> ContextError:
         closed = ", now closed" if self.loop.is_closed() else ""
         return ContextError(
@@ -699,6 +711,17 @@ class DistributedIterator:
         self._pipeline: _Pipeline | None = None
         self._sync_source: _Source | None = None
         self._closed = False  # aclose() was called: the iteration is over
+
+    def __repr__(self) -> str:
+        if self._closed:
+            state = "closed"
+        elif self._sync_source is not None:
+            state = "read by a plain `for`"
+        elif self._pipeline is not None:
+            state = self._pipeline.describe()
+        else:
+            state = "not started"
+        return f"<DistributedIterator of {self._dataset._describe()}: {state}>"
 
     # async iteration, prefetched
     def __aiter__(self) -> DistributedIterator:
@@ -811,6 +834,17 @@ class DistributedIterator:
             raise
 
 
+def _describe_source(source: Any) -> str:
+    """A source for a repr: a list or tuple by its length and first item, anything
+    else by its repr, cut short, on one line."""
+    if isinstance(source, list | tuple):
+        first = f", the first {short_repr(source[0])}" if source else ""
+        text = f"a {type(source).__name__} of {len(source)} items{first}"
+    else:
+        text = short_repr(source)
+    return " ".join(text.split())
+
+
 class DistributedDataset:
     """What ``experimental_distribute_dataset`` and ``distribute_datasets_from_function``
     return: iterate it with ``async for`` (prefetched) or ``for`` (sync sources).
@@ -860,7 +894,22 @@ class DistributedDataset:
             _check_iterable(iterable, where)
 
     def __repr__(self) -> str:
-        return f"<DistributedDataset over {self._source_iterable!r}>"
+        return f"<DistributedDataset {self._describe()}>"
+
+    def _describe(self) -> str:
+        """Where it comes from, briefly: a list of batches is not printed whole (a
+        list of 1000 batches made a repr of megabytes, slowly)."""
+        sources = self._source_iterable if self._per_replica_sources else [self._source_iterable]
+        n = len(self._slots)
+        if not self._per_replica_sources:
+            n = self._strategy.num_replicas_in_sync  # (every worker's)
+            how = f"split over {n} replica{'s' if n != 1 else ''}"
+        elif len(sources) == 1:
+            how = f"its elements taken in turn by {n} replica{'s' if n != 1 else ''}"
+        else:
+            how = f"one per replica ({n}), the first shown"
+        read = "; a one-shot source, read by a pass" if self._one_shot is not None else ""
+        return f"{self._where} over {_describe_source(sources[0])}, {how}{read}"
 
     def __aiter__(self) -> DistributedIterator:
         return DistributedIterator(self)

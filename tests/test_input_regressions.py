@@ -1026,3 +1026,45 @@ async def test_a_dataset_is_never_printed_unless_it_is_refused(two, how):
         assert len([batch async for batch in dataset]) == (2 if how == "from_function" else 3)
         assert len(list(dataset)) == (2 if how == "from_function" else 3)
     assert printed == []
+
+
+async def test_reprs_are_short_and_show_the_state_of_a_pass(two):
+    """repr() of a distributed dataset printed its whole source: 1.5 MB for a list
+    of 1000 batches of 32 x 10 (a debugger's variables pane, a log line); an
+    iterator's was ``<aiodist._input.DistributedIterator object at 0x...>``."""
+    batches = [np.zeros((32, 10))] * 1000
+    dataset = two.experimental_distribute_dataset(batches)
+    text = repr(dataset)
+    assert len(text) < 300, text
+    assert text.startswith(
+        "<DistributedDataset experimental_distribute_dataset over a list of 1000 items, "
+        "the first array([[0., 0.,"
+    )
+    assert text.endswith(", split over 2 replicas>")
+    from_function = two.distribute_datasets_from_function(lambda context: batches)
+    assert len(repr(from_function)) < 300
+    assert "distribute_datasets_from_function" in repr(from_function)
+
+    iterator = aiter(dataset)
+    assert repr(iterator).endswith(": not started>")
+    await anext(iterator)
+    await wait_until(lambda: "1 batch fetched ahead" in repr(iterator), "one batch ahead")
+    assert len(repr(iterator)) < 400
+    await iterator.aclose()
+    assert repr(iterator).endswith(": closed>")
+
+    def failing():
+        yield np.zeros(2)
+        raise KeyError("disk")
+
+    iterator = aiter(two.experimental_distribute_dataset(failing()))
+    await anext(iterator)
+    with pytest.raises(KeyError):
+        await anext(iterator)
+    assert repr(iterator).endswith(": failed: KeyError('disk')>"), repr(iterator)
+    iterator = iter(two.experimental_distribute_dataset([np.zeros(2)]))
+    next(iterator)
+    assert repr(iterator).endswith(": read by a plain `for`>")
+    with pytest.raises(StopIteration):
+        next(iterator)
+    assert repr(iterator).endswith(": closed>")
