@@ -330,16 +330,15 @@ def _empty_like(structure: object) -> object:
 # -- sources -------------------------------------------------------------------------
 
 
-def _check_iterable(iterable: Any, where: str, made_by: str = "") -> None:
+def _check_iterable(iterable: Any, where: str, made_by: Callable[[], str] | None = None) -> None:
     """Refuse what cannot be iterated, without opening it: iterating a data loader
     can start its workers. The methods are looked up on the type, as ``iter()``
     does (a class has ``__iter__`` as an attribute, yet is not iterable), and a
     ``__getitem__`` alone makes an iterable, as for ``iter()`` (the sequence
     protocol: items 0, 1, ... until ``IndexError``). A mapping is refused too: it
     iterates its keys, so it is a batch passed where a dataset of batches belongs.
-    ``made_by`` names, for the message, the call that returned ``iterable``
+    ``made_by()`` names, for the message, the call that returned ``iterable``
     (``dataset_fn``'s, with its ``InputContext``), if it is not the user's own."""
-    the_dataset = f"{made_by} returned" if made_by else "the dataset is"
     kind = type(iterable)
     iterable_kind = any(
         getattr(kind, method, None) is not None
@@ -352,6 +351,9 @@ def _check_iterable(iterable: Any, where: str, made_by: str = "") -> None:
         # as it is ({"x": ..., "y": ...}) was refused only at the first read, as "a
         # rank-0 value ('x') has no batch axis".
         shown = list(itertools.islice(iterable, 4))  # (not a copy of every key)
+        # (made_by is called only to refuse: a dataset_fn that is a functools.partial
+        # holding the data printed all of it, 4 s for 1000 batches, for no message.)
+        the_dataset = f"{made_by()} returned" if made_by else "the dataset is"
         keys = ", ".join(map(repr, shown[:3])) + (", ..." if len(shown) > 3 else "")
         raise InvalidArgumentError(
             f"{where}: {the_dataset} a mapping ({type(iterable).__name__}, "
@@ -366,7 +368,7 @@ def _check_iterable(iterable: Any, where: str, made_by: str = "") -> None:
     # only here, cut short: NumPy took 25 s to print a list of 5000 batches, for a
     # message not raised, at the call and at every pass.)
     shown = short_repr(iterable)
-    subject = f"{made_by} returned {shown}, which" if made_by else shown
+    subject = f"{made_by()} returned {shown}, which" if made_by else shown
     raise InvalidArgumentError(
         f"{where}: {subject} is not iterable; expected an iterable or async "
         "iterable of batches (a list, a generator, an async generator, ...)."
@@ -1225,7 +1227,10 @@ def from_function(
             ),
         )
         for context, iterable in zip(contexts, iterables, strict=True):
-            made_by = f"dataset_fn={dataset_fn!r}, called with {context!r},"
+
+            def made_by(context: InputContext = context) -> str:
+                return f"dataset_fn={dataset_fn!r}, called with {context!r},"
+
             _check_iterable(iterable, "distribute_datasets_from_function", made_by)
         return DistributedDataset(
             strategy,
