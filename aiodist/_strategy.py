@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import _context, _nest, _stall, _variables
-from ._arrays import as_axis, check_reducible, leaf_text, mean_of_sum
+from ._arrays import as_axis, check_reducible, leaf_path, leaf_text, mean_of_sum
 from ._backends import backend_for, cpu_backend, is_cupy_array, is_cupy_type, visible_gpu_count
 from ._checks import (
     not_callable,
@@ -543,6 +543,17 @@ class Strategy:
                     "it must be a plain function (def, not async def) returning the value."
                 ),
             )
+            for index, leaf in enumerate(_nest.flatten(value)):
+                if isinstance(leaf, DistributedValues):
+                    path, _ = leaf_path(value, index)
+                    at = f" (at {path})" if path else ""
+                    raise InvalidArgumentError(
+                        f"experimental_distribute_values_from_function: value_fn={value_fn!r} "
+                        f"returned a {type(leaf).__name__}{at} for replica {replica_id}; it "
+                        "is called once per replica and returns that replica's own value "
+                        "(a PerReplica in a PerReplica has no meaning). Return the value for "
+                        "replica ctx.replica_id_in_sync_group itself instead."
+                    )
             values.append(value)
         # (One replica: its value as it is.)
         return regroup_wrapping_every_leaf(values, self._devices, what="received from value_fn")
