@@ -26,12 +26,22 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from itertools import repeat
 from operator import attrgetter
+from types import CoroutineType
 from typing import Any
 
 import numpy as np
 
 from . import _context
-from ._arrays import as_axis, check_reducible, gather_axis, leaf_text, mean_of_sum, mean_operand
+from ._arrays import (
+    UNAWAITED,
+    as_axis,
+    check_reducible,
+    gather_axis,
+    leaf_text,
+    mean_of_sum,
+    mean_operand,
+    unawaited,
+)
 from ._backends import backend_for, cpu_backend, is_cupy_array, is_cupy_type
 from ._checks import options_or_default, refuse_ragged, whole_number
 from ._devices import HOST, Device, parse_device
@@ -99,6 +109,10 @@ def resolve_destinations(destinations: Any) -> tuple[Device, ...]:
     elif isinstance(destinations, list | tuple) and destinations:
         devices = tuple(parse_device(d) for d in destinations)
     else:
+        if isinstance(destinations, UNAWAITED):  # (strategy.run(...) without its await)
+            if isinstance(destinations, CoroutineType):
+                destinations.close()  # (never awaited: closed, Python does not warn)
+            raise InvalidArgumentError(unawaited(destinations, "destinations"))
         raise InvalidArgumentError(
             f"destinations={destinations!r}; expected a device string (e.g. 'cpu:0'), a "
             "list of them, an array, or a distributed value / variable."

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -483,6 +485,29 @@ async def test_reduce_to_destinations(two):
         await two.extended.reduce_to("sum", value, destinations=3.5)
 
 
+async def test_an_unawaited_run_as_destinations_says_an_await_is_missing(two):
+    # It said only "destinations=<coroutine object Strategy.run ...>; expected a device
+    # string ...", and Python later warned that the coroutine was never awaited.
+    value = per_replica(two, lambda r: np.array([r + 1.0]))
+
+    async def step():
+        return np.zeros(1)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no "never awaited" warning either)
+        for reduce in (
+            lambda d: two.extended.reduce_to("sum", value, d),
+            lambda d: two.extended._cross_device_ops.reduce("sum", value, d),
+        ):
+            with pytest.raises(
+                aiodist.InvalidArgumentError,
+                match=r"^destinations: the value is a coroutine \(Strategy\.run\) that was never "
+                r"awaited, not its result\. Probably an `await` is missing",
+            ):
+                await reduce(two.run(step))
+            gc.collect()
+
+
 async def test_batch_reduce_to_and_broadcast_to(two):
     a = per_replica(two, lambda r: np.float64(r))
     b = per_replica(two, lambda r: np.array([r, r + 1]))
@@ -690,6 +715,25 @@ def test_distribute_values_from_function(strategy, num_replicas):
     if num_replicas > 1:
         assert isinstance(values, aiodist.PerReplica)
         assert "PerReplica:{" in repr(values) and "1: 10" in repr(values)
+
+
+@pytest.mark.parametrize(
+    ("returned", "at"),
+    [
+        (lambda: aiodist.PerReplica([1, 2]), ""),
+        (lambda: {"a": [1, aiodist.Mirrored([3, 3])]}, r" \(at \['a'\]\[1\]\)"),
+    ],
+    ids=["top", "nested"],
+)
+def test_a_value_fn_returning_a_distributed_value_is_refused(two, returned, at):
+    # A PerReplica of PerReplicas came back (TF refuses it): each replica's component
+    # was the whole distributed value, which nothing downstream unwraps.
+    with pytest.raises(
+        aiodist.InvalidArgumentError,
+        match=rf"^experimental_distribute_values_from_function: value_fn=.* returned a "
+        rf"(PerReplica|Mirrored){at} for replica 0; it is called once per replica",
+    ):
+        two.experimental_distribute_values_from_function(lambda ctx: returned())
 
 
 async def test_distribute_values_from_function_of_structures(two):
