@@ -181,6 +181,9 @@ class InFlight(NamedTuple):
     # replicas are missing.
     running_since: float | None = None
     work: asyncio.Future | None = None  # that work, while it runs
+    # A waiting call's timeout_seconds, and perf_counter() when it fails; None if none.
+    timeout: float | None = None
+    deadline: float | None = None
 
 
 class Tally:
@@ -522,7 +525,18 @@ class Rendezvous:
         missing = [r for r, future in enumerate(futures) if future is None]
         payload = call.payloads[arrived[0]] if arrived else None
         if not running:
-            return InFlight(call.name, call.number, arrived, missing, call.started, payload)
+            if call.timer is None:  # no timeout_seconds (call.timeout is unset then)
+                return InFlight(call.name, call.number, arrived, missing, call.started, payload)
+            return InFlight(
+                call.name,
+                call.number,
+                arrived,
+                missing,
+                call.started,
+                payload,
+                timeout=call.timeout,
+                deadline=call.deadline,
+            )
         return InFlight(
             call.name,
             call.number,

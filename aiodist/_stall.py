@@ -249,9 +249,15 @@ def _report(group: RunGroup, row: InFlight, now: float) -> str:
         # by the scheduler's frame, which is not shown.
         chain = _chain_of(task) or [_NO_FRAME if _started(task) else "(not started yet)"]
         lines.extend(f"    {entry}" for entry in chain)
+    if row.deadline is None:
+        fail = "set CommunicationOptions(timeout_seconds=...) to fail instead, or"
+    else:  # (a timeout set already: when it fails the call, not advice to set one)
+        fail = (
+            f"timeout_seconds={row.timeout:g} fails the call in "
+            f"{max(0.0, row.deadline - now):.1f} s unless they arrive; set"
+        )
     lines.append(
-        "This is a warning, not an error; set CommunicationOptions(timeout_seconds=...) to "
-        "fail instead, or stall_warning_seconds=None to silence it."
+        f"This is a warning, not an error; {fail} stall_warning_seconds=None to silence it."
     )
     return "\n".join(lines)
 

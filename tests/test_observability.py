@@ -86,6 +86,29 @@ async def test_stall_report_names_missing_replica_and_where_it_waits(caplog):
     assert chain[2].startswith("stuck_in_io (tests/test_observability.py:")
 
 
+async def test_stall_report_with_a_timeout_says_when_the_call_fails(caplog):
+    # The report told a user who had set timeout_seconds to "set
+    # CommunicationOptions(timeout_seconds=...) to fail instead", as if none were set.
+    caplog.set_level(logging.WARNING, logger="aiodist")
+    options = aiodist.CommunicationOptions(stall_warning_seconds=0.03)
+    strategy = aiodist.MirroredStrategy(cpu_devices(2), communication_options=options)
+    release = asyncio.Event()
+
+    async def fn():
+        if rid() == 1:
+            await release.wait()
+        per_call = aiodist.CommunicationOptions(timeout_seconds=600)
+        return await aiodist.get_replica_context().all_reduce("sum", 1.0, options=per_call)
+
+    run = asyncio.create_task(strategy.run(fn))
+    [record] = await wait_for_records(caplog, 1)
+    release.set()
+    assert strategy.experimental_local_results(await run) == (2.0, 2.0)
+    last = record.getMessage().splitlines()[-1]
+    assert "set CommunicationOptions(timeout_seconds=...)" not in last
+    assert re.search(r"timeout_seconds=600 fails the call in (599\.\d|600\.0) s unless", last), last
+
+
 async def test_a_plain_replica_function_awaiting_its_future_is_not_reported_as_unstarted(caplog):
     # A plain replica function's returned future (here asyncio.gather's) is awaited
     # by the scheduler's frame, which reports do not show: the chain is empty. The
