@@ -86,8 +86,11 @@ class Tracer:
         return max(0.0, at + (clock._start - self._start) / 1000)
 
     def next_run(self) -> int:
-        self._runs += 1
-        return self._runs
+        # Under the lock, as the lanes are: runs on loops in other threads number
+        # themselves here too, and += is a read and a write a thread switch may split.
+        with self._lock:
+            self._runs += 1
+            return self._runs
 
     def take_lane(self) -> int:
         """The lowest lane no run in flight holds (0 when runs do not overlap)."""
