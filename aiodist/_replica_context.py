@@ -427,6 +427,18 @@ class ReplicaContext:
         if replica is self:
             return group
         if self._default_group is not None and replica is None and _strategy is None:
+            try:  # (its rendezvous arrives on the running loop: asyncio's bare error else)
+                asyncio.get_running_loop()
+            except RuntimeError:
+                raise ContextError(
+                    f"ReplicaContext.{method}() of the default replica context was called "
+                    "where no event loop is running (synchronous code, or a worker thread "
+                    f"such as asyncio.to_thread's); {method}() returns an awaitable, so call "
+                    "it from async code running on the event loop and await it: "
+                    f"`await aiodist.get_replica_context().{method}(...)` inside an async "
+                    "def function run by aiodist.run(main()) (or awaited by your own async "
+                    "code), not inside a thread's function."
+                ) from None
             return self._default_group
         raise ContextError(
             f"ReplicaContext.{method}() of replica {self.replica_id_in_sync_group} was "

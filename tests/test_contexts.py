@@ -371,3 +371,27 @@ def test_replica_context_repr(two):
         assert aiodist.get_replica_context() is None
     ctx = aiodist.get_replica_context()
     assert "replica 0 of 1" in repr(ctx)
+
+
+@pytest.mark.parametrize("method", ["all_reduce", "all_gather", "merge_call"])
+async def test_the_default_contexts_collectives_without_a_running_loop_say_to_await_them(method):
+    """Called where no event loop runs (synchronous code, a worker thread), they
+    raised asyncio's bare "RuntimeError: no running event loop", naming neither the
+    collective nor what to do. Such a call takes no call number: the same call
+    awaited afterwards on the loop works."""
+    ctx = aiodist.get_replica_context()
+    calls = {
+        "all_reduce": lambda: ctx.all_reduce("sum", np.ones(2)),
+        "all_gather": lambda: ctx.all_gather(np.ones(2), axis=0),
+        "merge_call": lambda: ctx.merge_call(lambda strategy: np.ones(2)),
+    }
+    message = (
+        rf"^ReplicaContext\.{method}\(\) of the default replica context was called where no "
+        r"event loop is running .*await aiodist\.get_replica_context\(\)\."
+    )
+    with pytest.raises(aiodist.ContextError, match=message):
+        await asyncio.to_thread(calls[method])  # (a thread of the loop's executor)
+    with ThreadPoolExecutor(1) as executor:  # (a thread that copies no context)
+        with pytest.raises(aiodist.ContextError, match=message):
+            executor.submit(calls[method]).result()
+    np.testing.assert_array_equal(await calls[method](), np.ones(2))
