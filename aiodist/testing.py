@@ -50,12 +50,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from . import _nest
+from . import _context, _nest
 from ._arrays import leaf_path
 from ._backends import backend_for, visible_gpu_count
 from ._checks import short_repr, whole_number
 from ._devices import Device
-from ._errors import DeviceError, InvalidArgumentError
+from ._errors import ContextError, DeviceError, InvalidArgumentError
 from ._input import split_batch
 from ._ops import ReduceOp
 from ._strategy import MirroredStrategy
@@ -276,6 +276,7 @@ async def assert_same_on_replicas(
                 f"assert_same_on_replicas: {name}={tolerance!r}; expected a finite number "
                 ">= 0 (0: exact), or None for the default."
             )
+    _refuse_current_strategy()
     reference, reference_count = None, None
     scale = _magnitude(batch) if atol is None and rtol is None else 0.0
     for count in counts:
@@ -327,6 +328,28 @@ async def assert_same_on_replicas(
                 err_msg=differs,
             )
     return reference
+
+
+def _refuse_current_strategy() -> None:
+    """Raise ``ContextError`` inside a strategy's scope, merge_fn or replica function,
+    where the helper's own strategies cannot run: their runs raised "Mixing different
+    aiodist strategies" of a one-replica strategy the user never made, or "runs
+    cannot nest", with a note that the step had raised it, which never ran."""
+    state = _context.current_state()
+    replica, strategy = state[_context.REPLICA], _context.current_strategy()
+    if replica is None and strategy is None:
+        return
+    if replica is not None:
+        where = f"replica {replica.replica_id_in_sync_group}'s function of {replica.strategy!r}"
+    else:
+        where = f"the scope of {strategy!r} (or a merge_fn of its run)"
+    raise ContextError(
+        f"assert_same_on_replicas() was called inside {where}; it makes a strategy of its "
+        "own for each replica count and runs the step on that, which cannot be done where "
+        "another strategy is current. Expected no current strategy: call it outside any "
+        "`with strategy.scope():` block, run or merge_fn (in a test, not under a fixture "
+        "that holds a scope open)."
+    )
 
 
 def _is_numeric(dtype: np.dtype) -> bool:

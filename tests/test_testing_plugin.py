@@ -581,3 +581,33 @@ async def test_a_nan_in_the_batch_keeps_the_default_atol_on_the_datas_scale():
             await assert_same_on_replicas(
                 centred_sums, batch, combine="sum", replicas=replicas, atol=0
             )
+
+
+async def test_the_helper_inside_a_scope_or_a_replica_says_to_call_it_outside():
+    """Inside a scope (a fixture holding one open for its test), its own strategy's
+    run raised "Mixing different aiodist strategies: MirroredStrategy(devices=
+    ['/device:CPU:0']) was used while ..." (a strategy the user never made), and in
+    a replica function "strategy.run() was called inside a replica function", each
+    with the note that the step had raised it on 1 replica, which never ran."""
+    two = cpu_strategy(2)
+    ran = []
+
+    async def predict(rows):
+        ran.append(len(rows))
+        return rows * 2.0
+
+    batch = np.arange(8.0).reshape(4, 2)
+    inside = r"^assert_same_on_replicas\(\) was called inside {}.*call it outside"
+    in_scope = inside.format(r"the scope of MirroredStrategy")
+    with two.scope(), pytest.raises(aiodist.ContextError, match=in_scope):
+        await assert_same_on_replicas(predict, batch)
+
+    async def in_replica():
+        await assert_same_on_replicas(predict, batch)
+
+    for strategy in (two, aiodist.get_strategy()):  # (the default one's replica too)
+        with pytest.raises(aiodist.ContextError, match=inside.format(r"replica 0's function")):
+            await strategy.run(in_replica)
+    assert ran == []
+    await assert_same_on_replicas(predict, batch)  # outside: runs on 1, 2 and 4
+    assert ran == [4, 2, 2, 1, 1, 1, 1]
