@@ -122,6 +122,30 @@ def test_a_fixture_may_hold_a_scope_open_for_its_test(pytester):
     result.assert_outcomes(passed=2)
 
 
+@pytest.mark.skipif(not INSTALLED, reason="aiodist is not installed: no pytest11 entry point")
+def test_the_plugin_is_loaded_and_turned_off_by_the_name_docs_testing_gives(pytester):
+    """docs/testing.md: with autoloading off, `-p aiodist` loads it (and `-p no:aiodist`
+    turns it off); naming the module as well, which pytest refuses with "Plugin
+    already registered under a different name", is what the page warns against."""
+    pytester.makeini(INI)
+    pytester.makepyfile(
+        """
+        async def test_fixture(aiodist_strategy):
+            assert aiodist_strategy.num_replicas_in_sync == 2
+        """
+    )
+    loaded = pytester.runpytest_subprocess(
+        "--disable-plugin-autoload", "-p", "aiodist", "-p", "asyncio"
+    )
+    loaded.assert_outcomes(passed=1)
+    off = pytester.runpytest_subprocess("-p", "no:aiodist")
+    off.assert_outcomes(errors=1)
+    off.stdout.fnmatch_lines(["*fixture 'aiodist_strategy' not found*"])
+    twice = pytester.runpytest_subprocess("-p", "aiodist.testing")
+    assert twice.ret != 0
+    twice.stderr.fnmatch_lines(["*Plugin already registered under a different name*"])
+
+
 def test_gpu_fixture_skips_with_a_reason_without_a_gpu(pytester):
     if importlib.util.find_spec("cupy") is not None:
         pytest.skip("this machine has CuPy: the fixture may not skip here")
