@@ -395,3 +395,36 @@ async def test_the_default_contexts_collectives_without_a_running_loop_say_to_aw
         with pytest.raises(aiodist.ContextError, match=message):
             executor.submit(calls[method]).result()
     np.testing.assert_array_equal(await calls[method](), np.ones(2))
+
+
+async def test_tasks_and_threads_started_in_a_replica_see_the_context_concepts_md_gives(two):
+    """docs/concepts.md: a task started in a replica function is in its context, and
+    its collectives are the replica's; asyncio.to_thread's thread sees that context
+    too, an executor's (which copies none) the default one."""
+    loop = asyncio.get_running_loop()
+
+    def seen():
+        return aiodist.get_replica_context(), aiodist.get_strategy()
+
+    async def step():
+        ctx = aiodist.get_replica_context()
+        rid = ctx.replica_id_in_sync_group
+
+        async def child():
+            assert aiodist.get_replica_context() is ctx
+            return await ctx.all_reduce("sum", float(rid))
+
+        async def gather():
+            return await ctx.all_gather(np.array([rid]), axis=0)
+
+        async with asyncio.TaskGroup() as group:
+            reduced = group.create_task(child())
+            gathered = group.create_task(gather())
+        assert await asyncio.to_thread(seen) == (ctx, two)
+        executor_ctx, executor_strategy = await loop.run_in_executor(None, seen)
+        assert executor_ctx is not ctx and executor_strategy is not two
+        assert not executor_strategy.extended.worker_devices[1:]  # the default: one device
+        return float(reduced.result()), gathered.result().tolist()
+
+    results = two.experimental_local_results(await two.run(step))
+    assert results == ((1.0, [0, 1]), (1.0, [0, 1]))
