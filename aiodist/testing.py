@@ -479,5 +479,16 @@ async def _combine(strategy: MirroredStrategy, result: Any, combine: str | Reduc
     for i in range(len(leaves[0])):
         column = tuple(np.asarray(part[i]) for part in leaves)
         value = PerReplica._make(column, strategy._devices) if len(column) > 1 else column[0]
-        reduced.append(await strategy.reduce(op, value, axis=None))
+        try:
+            reduced.append(await strategy.reduce(op, value, axis=None))
+        except Exception as exc:
+            # (strategy.reduce's own message said "reduce: cannot reduce ...", a call
+            # the user never made, naming neither the combine nor the value.)
+            exc.add_note(
+                f"(raised by assert_same_on_replicas reducing {_value(per_replica[0], i)} of "
+                f"the step's result across {len(column)} replica(s) with combine={combine!r}; "
+                "for values that cannot be reduced, such as labels, use combine='concat' "
+                "(per-row values) or combine='first')"
+            )
+            raise
     return _nest.pack_as(per_replica[0], reduced)

@@ -635,3 +635,23 @@ async def test_the_helper_inside_a_scope_or_a_replica_says_to_call_it_outside():
     assert ran == []
     await assert_same_on_replicas(predict, batch)  # outside: runs on 1, 2 and 4
     assert ran == [4, 2, 2, 1, 1, 1, 1]
+
+
+async def test_a_result_the_combine_cannot_reduce_is_named_with_the_combine():
+    """combine='sum' over string labels raised strategy.reduce's "reduce: cannot
+    reduce values of dtype <U5 with SUM", a reduce the user never called, naming
+    neither the helper, the combine nor which value of the result."""
+    batch = np.arange(8.0).reshape(4, 2)
+
+    async def scored(rows):
+        return {"label": np.array(["cat"] * len(rows)), "loss": rows.sum()}
+
+    with pytest.raises(
+        aiodist.InvalidArgumentError, match=r"cannot reduce values of dtype <U3"
+    ) as info:
+        await assert_same_on_replicas(scored, batch, combine="sum")
+    assert info.value.__notes__ == [
+        "(raised by assert_same_on_replicas reducing value 0 (['label']) of the step's "
+        "result across 1 replica(s) with combine='sum'; for values that cannot be reduced, "
+        "such as labels, use combine='concat' (per-row values) or combine='first')"
+    ]
