@@ -524,29 +524,12 @@ class Rendezvous:
         arrived = [r for r, future in enumerate(futures) if future is not None]
         missing = [r for r, future in enumerate(futures) if future is None]
         payload = call.payloads[arrived[0]] if arrived else None
-        if not running:
-            if call.timer is None:  # no timeout_seconds (call.timeout is unset then)
-                return InFlight(call.name, call.number, arrived, missing, call.started, payload)
-            return InFlight(
-                call.name,
-                call.number,
-                arrived,
-                missing,
-                call.started,
-                payload,
-                timeout=call.timeout,
-                deadline=call.deadline,
-            )
-        return InFlight(
-            call.name,
-            call.number,
-            arrived,
-            missing,
-            call.started,
-            payload,
-            call.running_since,
-            call.work,
-        )
+        extra: tuple = ()
+        if running:
+            extra = (call.running_since, call.work)
+        elif call.timer is not None:  # timeout_seconds set (call.timeout is unset if not)
+            extra = (None, None, call.timeout, call.deadline)
+        return InFlight(call.name, call.number, arrived, missing, call.started, payload, *extra)
 
     def due_stalls(self, now: float) -> tuple[list[InFlight], float]:
         """Calls in flight whose next stall report is due at ``now`` (perf_counter), as
