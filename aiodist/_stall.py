@@ -92,10 +92,14 @@ def _awaited(coro: Any) -> Any:
     return None
 
 
-def await_chain(coro: Any) -> list[str]:
-    """``function (file:line)`` for each suspended frame, outermost first."""
+def await_chain(coro: Any, depth: int = 0) -> list[str]:
+    """``function (file:line)`` for each suspended frame, outermost first; where the
+    innermost waits for child tasks (a TaskGroup's, asyncio.gather's), each one's
+    chain follows, indented under ``task 'name':``. ``depth``: how many such levels
+    are above this chain (see ``_CHILD_LEVELS``)."""
     chain = []
     seen: set[int] = set()  # tasks awaiting each other (a deadlock) form a cycle
+    last = None  # the innermost suspended coroutine (or generator) reached
     while _suspends(coro) and id(coro) not in seen and len(seen) < 100:
         seen.add(id(coro))
         frame = _frame_of(coro)
@@ -108,8 +112,45 @@ def await_chain(coro: Any) -> list[str]:
         if frame is not None and not _is_wrapper(code):
             name = getattr(code, "co_qualname", code.co_name)
             chain.append(f"{name} ({_short(code.co_filename)}:{frame.f_lineno})")
-        coro = _awaited(coro)
+        last, coro = coro, _awaited(coro)
+    if last is not None and depth < _CHILD_LEVELS:
+        children = _child_tasks(last)
+        for child in children[:_CHILDREN_SHOWN]:
+            chain.append(f"task {child.get_name()!r}:")
+            inner = await_chain(child.get_coro(), depth + 1) or [_NO_FRAME]
+            chain.extend(f"  {entry}" for entry in inner)
+        if len(children) > _CHILDREN_SHOWN:
+            chain.append(f"(and {len(children) - _CHILDREN_SHOWN} more tasks)")
     return chain
+
+
+# Child tasks followed below a chain: this many levels of them at most, and this many
+# of each one's (a report is read by a person; a fan-out of thousands is not).
+_CHILD_LEVELS = 4
+_CHILDREN_SHOWN = 8
+
+
+def _child_tasks(coro: Any) -> list[asyncio.Task]:
+    """The unfinished tasks ``coro`` (the innermost suspended coroutine of a chain)
+    waits for, by name: a TaskGroup's, where it is a method of that group (its
+    ``__aexit__``, at the end of the ``async with`` block), or those of an
+    ``asyncio.gather`` future it awaits. (Private attributes of asyncio, read for a
+    diagnostic as gc is above: where they are missing, nothing is followed.)"""
+    frame = _frame_of(coro)
+    group = frame.f_locals.get("self") if frame is not None else None
+    if isinstance(group, asyncio.TaskGroup):
+        tasks = list(getattr(group, "_tasks", ()))
+    else:
+        inner = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        if inner is None:
+            return []
+        tasks = []
+        for candidate in (inner, *gc.get_referents(inner)):
+            children = getattr(candidate, "_children", None)
+            if isinstance(candidate, asyncio.Future) and isinstance(children, list):
+                tasks = [child for child in children if isinstance(child, asyncio.Task)]
+                break
+    return sorted((t for t in tasks if not t.done()), key=lambda t: t.get_name())
 
 
 def _short(filename: str) -> str:
@@ -245,8 +286,8 @@ def _report(group: RunGroup, row: InFlight, now: float) -> str:
             continue
         lines.append(f"  replica {first + replica}:")
         # No frame of the user's: a task not started yet, or (the usual case) a plain
-        # replica function whose returned future (run_in_executor, gather) is awaited
-        # by the scheduler's frame, which is not shown.
+        # replica function whose returned future (run_in_executor's, a bare one) is
+        # awaited by the scheduler's frame, which is not shown.
         chain = _chain_of(task) or [_NO_FRAME if _started(task) else "(not started yet)"]
         lines.extend(f"    {entry}" for entry in chain)
     if row.deadline is None:

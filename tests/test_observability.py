@@ -110,30 +110,81 @@ async def test_stall_report_with_a_timeout_says_when_the_call_fails(caplog):
 
 
 async def test_a_plain_replica_function_awaiting_its_future_is_not_reported_as_unstarted(caplog):
-    # A plain replica function's returned future (here asyncio.gather's) is awaited
-    # by the scheduler's frame, which reports do not show: the chain is empty. The
-    # report said "(not started yet)" of a replica that had long started.
+    # A plain replica function's returned future is awaited by the scheduler's frame,
+    # which reports do not show: a bare future has no chain. The report said "(not
+    # started yet)" of a replica that had long started.
+    caplog.set_level(logging.WARNING, logger="aiodist")
+    options = aiodist.CommunicationOptions(stall_warning_seconds=0.03)
+    strategy = aiodist.MirroredStrategy(cpu_devices(2), communication_options=options)
+    stuck = asyncio.get_running_loop().create_future()
+
+    def fn():  # a plain function returning an awaitable
+        if rid() == 1:
+            return stuck  # a bare future: no coroutine behind it
+        return aiodist.get_replica_context().all_reduce("sum", 1.0)
+
+    run = asyncio.create_task(strategy.run(fn))
+    [record, *_] = await wait_for_records(caplog, 1)
+    stuck.set_result(1.0)  # replica 1 returns without joining the all-reduce
+    with pytest.raises(aiodist.ReplicaExitedError):
+        await run
+    message = record.getMessage()
+    assert "replica 0 arrived, replica 1 missing" in message
+    assert "  replica 1:\n    (awaiting an awaitable with no coroutine frame" in message
+    assert "not started" not in message
+
+
+async def test_a_stall_report_follows_the_child_tasks_a_replica_waits_for(caplog):
+    # A replica waiting at the end of a TaskGroup's block, or for asyncio.gather's
+    # children (here a plain replica function's returned future), was reported down
+    # to TaskGroup.__aexit__, or not at all: never where its child tasks were stuck.
     caplog.set_level(logging.WARNING, logger="aiodist")
     options = aiodist.CommunicationOptions(stall_warning_seconds=0.03)
     strategy = aiodist.MirroredStrategy(cpu_devices(2), communication_options=options)
     release = asyncio.Event()
 
-    async def total():
+    async def fetch(shard):
+        await release.wait()
+        return shard
+
+    async def grouped():
         if rid() == 1:
-            await release.wait()
+            async with asyncio.TaskGroup() as group:
+                for shard in (1, 0):
+                    group.create_task(fetch(shard), name=f"fetch-{shard}")
         return await aiodist.get_replica_context().all_reduce("sum", 1.0)
 
-    def fn():  # a plain function returning an awaitable (a future)
-        return asyncio.gather(total())
+    def gathered():
+        if rid() == 1:
+            return asyncio.gather(fetch(0))
+        return aiodist.get_replica_context().all_reduce("sum", 1.0)
 
-    run = asyncio.create_task(strategy.run(fn))
-    [record, *_] = await wait_for_records(caplog, 1)
+    run = asyncio.create_task(strategy.run(grouped))
+    [record] = await wait_for_records(caplog, 1)
     release.set()
-    assert strategy.experimental_local_results(await run) == ([2.0], [2.0])
-    message = record.getMessage()
-    assert "replica 0 arrived, replica 1 missing" in message
-    assert "  replica 1:\n    (awaiting an awaitable with no coroutine frame" in message
-    assert "not started" not in message
+    assert strategy.experimental_local_results(await run) == (2.0, 2.0)
+    lines = record.getMessage().splitlines()
+    at = lines.index("  replica 1:")
+    assert lines[at + 1].startswith("    test_a_stall_report_follows_the_child_tasks")
+    assert re.match(r"    TaskGroup\.(__aexit__|_aexit) \(", lines[at + 2])
+    tasks = [i for i, line in enumerate(lines) if line.startswith("    task ")]
+    assert [lines[i] for i in tasks] == ["    task 'fetch-0':", "    task 'fetch-1':"]
+    for i in tasks:  # each child's own chain, indented below it
+        assert lines[i + 1].startswith("      test_a_stall_report_follows_the_child_tasks")
+        assert ".<locals>.fetch (" in lines[i + 1]
+        assert lines[i + 2].startswith("      Event.wait (")
+
+    caplog.clear()
+    release.clear()
+    run = asyncio.create_task(strategy.run(gathered))
+    [record] = await wait_for_records(caplog, 1)
+    release.set()
+    with pytest.raises(aiodist.ReplicaExitedError):  # replica 1 never joined it
+        await run
+    lines = record.getMessage().splitlines()
+    at = lines.index("  replica 1:")
+    assert re.match(r"    task 'Task-\d+':$", lines[at + 1])
+    assert ".<locals>.fetch (" in lines[at + 2] and lines[at + 2].startswith("      ")
 
 
 async def test_a_stall_is_reported_once_and_never_fails(caplog):
