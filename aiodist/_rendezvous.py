@@ -35,7 +35,10 @@ in every replica already waiting in it and in every replica that arrives later:
 - *timeout*: ``timeout`` seconds after an arrival at ``k`` that asked for one (each
   arrival's counts from itself; the earliest deadline wins), some replica has
   still not arrived (``RendezvousTimeoutError``, naming the missing ones);
-- *close*: the group is torn down while calls are pending.
+- *close*: the group is torn down while calls are pending;
+- *unmatchable*: comparing an arrival's signature with the first's raises (user
+  code: a dict key's ``==``), failing the call with a ``RendezvousError`` whose
+  cause is that error, rather than the arrival that compared alone.
 
 Nor is a failure lost: a call that failed where no replica retrieved its error
 (each started it and never awaited it) is returned by ``close`` for the owner to
@@ -390,24 +393,51 @@ class Rendezvous:
             self._tighten(call, timeout, stall_after, loop)
 
         first = call.first
-        if call.failure is not None:
-            future.set_exception(call.failure)
-        elif signature is not first and (
-            # The same object (shared one-array signatures), or equal name and key.
-            signature.key != first.key or signature.name != first.name
-        ):
-            message = self._mismatch_message(call, replica, signature)
-            self._fail(call, CollectiveMismatchError(message))
-        elif self.exited and (gone := self._exited_before(number, replica)) is not None:
-            self._fail(call, ReplicaExitedError(self._exit_message(call, *gone)))
-        elif not call.missing and self._complete(call):
-            # The cross-replica code raised (a merge_fn): the failure's traceback holds
-            # this frame (its merge_fn's frame links back to it), so no local here may
-            # keep the failure, or every such call would leave a cycle for the garbage
-            # collector. (Not on the usual path: _complete returns None.)
-            held, future, call = [future], None, None
+        try:  # (costs nothing until it catches: see _unmatchable)
+            if call.failure is not None:
+                future.set_exception(call.failure)
+            elif signature is not first and (
+                # The same object (shared one-array signatures), or equal name and key.
+                signature.key != first.key or signature.name != first.name
+            ):
+                message = self._mismatch_message(call, replica, signature)
+                self._fail(call, CollectiveMismatchError(message))
+            elif self.exited and (gone := self._exited_before(number, replica)) is not None:
+                self._fail(call, ReplicaExitedError(self._exit_message(call, *gone)))
+            elif not call.missing and self._complete(call):
+                # The cross-replica code raised (a merge_fn): the failure's traceback
+                # holds this frame (its merge_fn's frame links back to it), so no local
+                # here may keep the failure, or every such call would leave a cycle for
+                # the garbage collector. (Not on the usual path: _complete returns None.)
+                held, future, call = [future], None, None
+                return held.pop()
+        except Exception as exc:
+            if call.failure is not None or self._pending.get(number) is not call:
+                raise  # the call was decided (failed, or completed) before this
+            self._unmatchable(call, replica, exc)
+            held, future, call = [future], None, None  # (as above)
             return held.pop()
         return future
+
+    def _unmatchable(self, call: _Call, replica: int, exc: Exception) -> None:
+        """Matching replica ``replica``'s arrival at ``call`` with the first arrival's
+        raised ``exc``: user code did, a dict key's ``==`` (comparing the signatures'
+        structures) or ``repr`` (in the mismatch message). The call fails with a
+        ``RendezvousError`` in every replica, as for a mismatch. (Raised out of this
+        arrival alone, it left the call with that replica counted and nothing to
+        complete or fail it: a replica that caught the error and returned left the
+        others waiting in it for ever.)"""
+        first = self._first
+        others = [r for r in call.arrivals() if r != replica]
+        failure = RendezvousError(
+            f"{call.label}: replica {first + replica}'s call could not be matched with "
+            f"{_replicas(others, first)}'s: comparing them raised {type(exc).__name__}: "
+            f"{exc}. The structures passed to a collective are compared across replicas, "
+            "dict keys by == and shown by repr(): use keys that compare and print without "
+            "raising (str or int keys)."
+        )
+        failure.__cause__ = exc
+        self._fail(call, failure)
 
     def _tighten(
         self,

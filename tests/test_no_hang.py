@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import gc
 import inspect
+import re
 import sys
 import time
 import traceback
@@ -196,6 +197,60 @@ async def test_mismatch_of_two_functions_with_one_name_shows_where_each_is_defin
     name = first.__qualname__
     assert f"replicas 0, 1 called merge_call({name} (test_no_hang.py:{line}))" in str(raised)
     assert f"replica 2 called merge_call({name} (test_no_hang.py:{line + 1}))" in str(raised)
+
+
+class _KeyEqualOnlyToItself:
+    """A dict key whose == with any other object raises (each replica makes its own)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __lt__(self, other: _KeyEqualOnlyToItself) -> bool:
+        return self.name < other.name
+
+    def __eq__(self, other: object) -> bool:
+        if other is self:
+            return True
+        raise RuntimeError("these keys cannot be compared")
+
+    def __repr__(self) -> str:
+        return f"Key({self.name!r})"
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather"])
+async def test_a_dict_key_whose_comparison_raises_fails_the_call_in_every_replica(two, collective):
+    # The rendezvous compares each arrival's structure with the first's, dict keys by
+    # ==. A key whose == raised: the error came out of the last arrival's call alone,
+    # and left the call with every replica counted and nothing to complete or fail it,
+    # so the replica that caught it and returned left the other waiting for ever.
+    caught = {}
+
+    async def fn():
+        ctx = aiodist.get_replica_context()
+        value = {_KeyEqualOnlyToItself("w"): np.ones(2)}
+        try:
+            if collective == "all_reduce":
+                return await ctx.all_reduce("sum", value)
+            return await ctx.all_gather(value, axis=0)
+        except RuntimeError as exc:
+            caught[rid()] = exc
+            return None
+
+    assert await two.run(fn) is None  # (the same object from both replicas)
+    assert caught.keys() == {0, 1}
+    assert caught[0] is caught[1]  # one error, in every replica
+    error = caught[0]
+    assert isinstance(error, aiodist.RendezvousError)
+    assert isinstance(error.__cause__, RuntimeError)
+    assert re.search(
+        rf"{collective} #0: replica (\d)'s call could not be matched with replica (?!\1)\d's: "
+        r"comparing them raised RuntimeError: these keys cannot be compared\. .*dict keys "
+        r"by == and shown by repr\(\): use keys that compare and print without raising",
+        str(error),
+    )
 
 
 async def test_all_gather_shapes_may_differ_only_along_axis(two):
