@@ -736,14 +736,23 @@ class RunGroup:
                 # replica started and never awaited are not logged besides. (The usual
                 # run's call without a keyword argument: a specialised call, 0.2k
                 # instructions of a (c) step.)
-                if self._failure is None and not self._cancelling:
-                    # Every replica returned, but a collective one of them started and
-                    # none awaited may have failed (a mismatch, a replica that never
-                    # joined it, a timeout, its merge_fn): close() returns the first
-                    # such error, which the run raises (None, the usual: it returns).
-                    self._failure = self._rendezvous.close()
-                else:
-                    self._rendezvous.close(quiet=True)
+                try:  # (costs nothing until it catches)
+                    if self._failure is None and not self._cancelling:
+                        # Every replica returned, but a collective one of them started
+                        # and none awaited may have failed (a mismatch, a replica that
+                        # never joined it, a timeout, its merge_fn): close() returns the
+                        # first such error, which the run raises (None, the usual: it
+                        # returns).
+                        self._failure = self._rendezvous.close()
+                    else:
+                        self._rendezvous.close(quiet=True)
+                except RuntimeError:
+                    if not self._loop.is_closed():
+                        raise
+                    # Its loop was closed with the run in flight, and the garbage
+                    # collector closes this coroutine (see _replica_raised): failing a
+                    # replica's wait schedules its wake-up, which the closed loop
+                    # refuses. Nobody is left to wake.
             # Break group -> task -> context -> state -> group, so a finished run is
             # freed by reference counting instead of becoming cyclic garbage. (The
             # empty tuple, not a new list: 0.3k instructions of an (a), (b) or (c)
