@@ -57,7 +57,7 @@ from ._checks import (
     short_repr,
     whole_number,
 )
-from ._errors import AiodistError, InvalidArgumentError
+from ._errors import AiodistError, InvalidArgumentError, RendezvousError
 from ._input import split_batch
 from ._strategy import Strategy
 from ._values import regroup
@@ -120,11 +120,14 @@ def _note_empty_shares(exc: BaseException, rows: int, replicas: int, row_shape: 
     "a batch" may not expect (np.stack of no rows raises, for one), and which only
     happens when traffic is light, so the failure looks random."""
     idle = list(range(rows, replicas))
+    remedy = "make it return no rows for them (e.g. np.empty((0, width)))"
+    if isinstance(exc, RendezvousError):  # (a collective the step skipped on no rows)
+        remedy += ", after the same collective calls as the replicas with rows make"
     note = (
         f"aiodist Batcher: this batch had {rows} row{'' if rows == 1 else 's'} for "
         f"{replicas} replicas, so replica{'s' if len(idle) > 1 else ''} "
         f"{', '.join(map(str, idle))} ran the step on no rows (shape {(0, *row_shape)}); "
-        "if it fails there, make it return no rows for them (e.g. np.empty((0, width)))."
+        f"if it fails there, {remedy}."
     )
     if note not in getattr(exc, "__notes__", ()):  # (a step that raises one object twice)
         exc.add_note(note)
@@ -750,7 +753,12 @@ class Batcher:
         try:
             result = await self.strategy.run(self.step_fn, args=(inputs,))
         except Exception as exc:
-            if len(rows) < len(slots) and not isinstance(exc, AiodistError):
+            # (aiodist's own errors are left as they are, but for a collective that
+            # failed: a replica given no rows that returned early, skipping a
+            # collective the others made, fails the batch only at light traffic.)
+            if len(rows) < len(slots) and (
+                not isinstance(exc, AiodistError) or isinstance(exc, RendezvousError)
+            ):
                 _note_empty_shares(exc, len(rows), len(slots), rows.shape[1:])
             raise
         if _nest.is_nested(result):

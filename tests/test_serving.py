@@ -1260,6 +1260,32 @@ async def test_a_step_failing_on_no_rows_says_that_replicas_had_none(two):
     await batcher.stop()
 
 
+async def test_a_step_skipping_a_collective_on_no_rows_says_that_replicas_had_none(two):
+    # A replica given no rows (a one-row request on two replicas) whose step returned
+    # early, skipping the all_reduce the other made: every caller got the bare
+    # "all_reduce #0: replica 1 returned without calling it", only at light traffic,
+    # with nothing saying that replica 1 had been given no rows (aiodist's errors
+    # were left without the note).
+    async def normalised(rows):
+        if len(rows) == 0:
+            return rows
+        total = await aiodist.get_replica_context().all_reduce("sum", rows.sum())
+        return rows / total
+
+    batcher = Batcher(two, normalised, max_wait_seconds=0)
+    await batcher.start()
+    np.testing.assert_array_equal(await batcher.submit(np.ones((2, 3))), np.full((2, 3), 1 / 6))
+    with pytest.raises(aiodist.ReplicaExitedError, match="replica 1 returned") as raised:
+        await batcher.submit(np.ones((1, 3)))
+    assert raised.value.__notes__ == [
+        "aiodist Batcher: this batch had 1 row for 2 replicas, so replica 1 ran the step on "
+        "no rows (shape (0, 3)); if it fails there, make it return no rows for them (e.g. "
+        "np.empty((0, width))), after the same collective calls as the replicas with rows "
+        "make.",
+    ]
+    await batcher.stop()
+
+
 async def test_the_batcher_and_its_stats_show_their_state(two):
     # Both showed only "<aiodist._batcher.BatcherStats object at 0x...>".
     batcher, gate, running, queued = await _full_queue(two, 2, 2, [2, 2])
