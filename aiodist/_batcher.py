@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import math
 import time
 from collections import deque
@@ -57,8 +58,9 @@ from ._checks import (
     short_repr,
     whole_number,
 )
-from ._errors import AiodistError, InvalidArgumentError, RendezvousError
+from ._errors import AiodistError, ContextError, InvalidArgumentError, RendezvousError
 from ._input import split_batch
+from ._scheduler import MERGE_TASK_NAME
 from ._strategy import Strategy
 from ._values import regroup
 
@@ -71,6 +73,13 @@ class Overloaded(AiodistError, RuntimeError):
 
 class NotServing(AiodistError, RuntimeError):
     """The batcher is not accepting requests (not started yet, or stopping)."""
+
+
+# The batcher whose batch (or warm-up) the current task runs, as its replicas' tasks
+# see it (they copy the context of the task that runs the batch): see _own_step.
+_SERVING: contextvars.ContextVar[Batcher | None] = contextvars.ContextVar(
+    "aiodist_batcher_serving", default=None
+)
 
 
 class _Request:
@@ -491,8 +500,19 @@ class Batcher:
         then cancel what is left (those callers get ``NotServing``). Stopping during
         ``start``'s warm-up keeps the batcher from starting; the warm-up's run is let
         finish within ``deadline`` too, then cancelled, and ``stop`` returns only once
-        it has ended. A ``start`` made while this drains waits for it to end."""
+        it has ended. A ``start`` made while this drains waits for it to end. Called
+        inside a batch (the step, or a merge_fn it awaits), which it would wait for,
+        it raises ``ContextError``: start it in a task the step does not await."""
         deadline = seconds(deadline, "stop: deadline", zero=True)
+        where = self._own_step()
+        if where is not None:
+            raise ContextError(
+                f"Batcher.stop() was called from inside a batch it serves ({where}): "
+                "stop() waits for the batches in flight, this one too, which waits for "
+                "this call, so it would wait for itself for ever. "
+                "Call it from a task of its own that the step does not await "
+                "(asyncio.create_task(batcher.stop())), or from outside the batcher."
+            )
         self._forget_a_closed_loop()
         self._accepting = False
         self._stop_requested = True
@@ -530,6 +550,21 @@ class Batcher:
         finally:
             self._stopping = None
             stopping.set_result(None)
+
+    def _own_step(self) -> str | None:
+        """Where the current task runs one of this batcher's batches (or its warm-up),
+        which the batch waits for: "replica N's step" (a replica's task), "a merge_fn
+        the step called" (an async merge_fn's task); None anywhere else (a task a step
+        started, which the batch does not wait for, too)."""
+        if _SERVING.get() is not self:
+            return None
+        task = asyncio.current_task()
+        _, replica, _, group = _context.current_state()
+        if replica is not None and group is not None and task in group._tasks:
+            return f"replica {replica.replica_id_in_sync_group}'s step"
+        if task is not None and task.get_name() == MERGE_TASK_NAME:
+            return "a merge_fn the step called"
+        return None
 
     @contextlib.asynccontextmanager
     async def lifespan(
@@ -750,6 +785,7 @@ class Batcher:
             slot.backend.asarray(s, slot.device) for slot, s in zip(slots, shards, strict=True)
         ]
         inputs = regroup(placed, strategy._devices)
+        _SERVING.set(self)  # (in the batch's own task: its replicas see it; see stop)
         try:
             result = await self.strategy.run(self.step_fn, args=(inputs,))
         except Exception as exc:

@@ -1286,6 +1286,59 @@ async def test_a_step_skipping_a_collective_on_no_rows_says_that_replicas_had_no
     await batcher.stop()
 
 
+def _replica_id() -> int:
+    return aiodist.get_replica_context().replica_id_in_sync_group
+
+
+@pytest.mark.parametrize("caller", ["step", "merge_fn", "warm-up"])
+async def test_stop_called_inside_a_batch_it_serves_is_refused_not_a_deadlock(two, caller):
+    # stop() waits for the batches in flight: called by a step (or by a merge_fn that
+    # a step awaits), it waited for its own batch, which waited for it, for ever (past
+    # its deadline too: the batch it then cancelled waited for its replicas, this
+    # one among them). A task that the step starts and does not await may stop it.
+    batcher: Batcher
+
+    async def stop_batcher(strategy=None):
+        await batcher.stop(deadline=0.1)
+
+    async def step(rows):  # rows of ones stop the batcher; others are served
+        if (rows == 1).all():
+            if caller == "merge_fn":
+                await aiodist.get_replica_context().merge_call(stop_batcher)
+            elif _replica_id() == 0:
+                await stop_batcher()
+        return rows
+
+    batcher = Batcher(two, step, max_wait_seconds=0)
+    where = "a merge_fn the step called" if caller == "merge_fn" else "replica 0's step"
+    refused = rf"Batcher.stop\(\) was called from inside a batch it serves \({where}\): .* wait "
+    async with asyncio.timeout(10):
+        if caller == "warm-up":
+            with pytest.raises(aiodist.ContextError, match=refused):
+                await batcher.start(warmup_rows=np.ones((2, 3)))
+            return
+        await batcher.start()
+        with pytest.raises(aiodist.ContextError, match=refused):
+            await batcher.submit(np.ones((2, 3)))
+        # Still serving; a task the step starts (and does not await) stops it.
+        served = np.full((2, 3), 2.0)
+        np.testing.assert_array_equal(await batcher.submit(served), served)
+        await batcher.stop()
+        stopping = []
+
+        async def step_that_stops(rows):
+            if _replica_id() == 0 and not stopping:
+                stopping.append(asyncio.create_task(other.stop()))
+            return rows
+
+        other = Batcher(two, step_that_stops, max_wait_seconds=0)
+        await other.start()
+        np.testing.assert_array_equal(await other.submit(np.ones((2, 3))), np.ones((2, 3)))
+        await stopping[0]
+        with pytest.raises(NotServing):
+            await other.submit(np.ones((1, 3)))
+
+
 async def test_the_batcher_and_its_stats_show_their_state(two):
     # Both showed only "<aiodist._batcher.BatcherStats object at 0x...>".
     batcher, gate, running, queued = await _full_queue(two, 2, 2, [2, 2])
