@@ -306,6 +306,9 @@ class StrategyExtended:
         self, fn: Callable, args: Sequence = (), kwargs: dict | None = None
     ) -> Any:
         """Run ``fn`` once per replica: the same as ``strategy.run``."""
+        replica = _context._STATE.get()[_context.REPLICA]
+        if replica is not None:  # (named as called: run's own message names run())
+            raise _nested_run(replica, "strategy.extended.call_for_each_replica()")
         return await self._strategy.run(fn, args=args, kwargs=kwargs)
 
     def _pairs(self, op: ReduceOp, value_destination_pairs: Any) -> list:
@@ -483,12 +486,7 @@ class Strategy:
         state = _context._STATE.get()  # (not current_state(): a call less per run)
         replica, current = state[_context.REPLICA], state[_context.STRATEGY]
         if replica is not None:
-            raise ContextError(
-                f"strategy.run() was called inside a replica function (replica "
-                f"{replica.replica_id_in_sync_group}); runs cannot nest. Call the "
-                "inner function directly, or use get_replica_context().merge_call() to "
-                "reach cross-replica context."
-            )
+            raise _nested_run(replica, "strategy.run()")
         # (The default strategy current, in its merge_fn, is no strategy: as outside
         # any scope. Tested last: the usual run has current None or self.)
         if current is not None and current is not self and _context.non_default(current):
@@ -806,6 +804,16 @@ class Strategy:
             yield
         finally:
             backend.order_replicas_after(self._slots)
+
+
+def _nested_run(replica: Any, called: str) -> ContextError:
+    """The error for ``called`` (a run) inside ``replica``'s function."""
+    return ContextError(
+        f"{called} was called inside a replica function (replica "
+        f"{replica.replica_id_in_sync_group}); runs cannot nest. Call the "
+        "inner function directly, or use get_replica_context().merge_call() to "
+        "reach cross-replica context."
+    )
 
 
 async def _on_host(total: Any) -> np.ndarray:

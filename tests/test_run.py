@@ -416,8 +416,21 @@ async def test_nested_run_raises(two):
     async def outer():
         await two.run(inner)
 
-    with pytest.raises(aiodist.ContextError, match=r"runs cannot nest"):
+    with pytest.raises(
+        aiodist.ContextError, match=r"^strategy\.run\(\) was called .*runs cannot nest"
+    ):
         await two.run(outer)
+
+    # call_for_each_replica is named as called (its message named strategy.run()).
+    async def outer_for_each():
+        await two.extended.call_for_each_replica(inner)
+
+    with pytest.raises(
+        aiodist.ContextError,
+        match=r"^strategy\.extended\.call_for_each_replica\(\) was called inside a replica "
+        r"function \(replica \d\); runs cannot nest",
+    ):
+        await two.run(outer_for_each)
 
 
 async def test_replica_exception_propagates_same_object_and_cancels_others(three):
