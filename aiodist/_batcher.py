@@ -60,7 +60,7 @@ from ._checks import (
 )
 from ._errors import AiodistError, ContextError, InvalidArgumentError, RendezvousError
 from ._input import split_batch
-from ._scheduler import MERGE_TASK_NAME
+from ._scheduler import MERGE_TASK_NAME, REPLICA_TASK_PREFIX
 from ._strategy import Strategy
 from ._values import regroup
 
@@ -559,10 +559,19 @@ class Batcher:
         if _SERVING.get() is not self:
             return None
         task = asyncio.current_task()
+        if task is None:
+            return None
+        name = task.get_name()
         _, replica, _, group = _context.current_state()
-        if replica is not None and group is not None and task in group._tasks:
+        # (By name too: on Python 3.12+ a replica's first step runs as its task is
+        # made, before the run has it in its list.)
+        if (
+            replica is not None
+            and group is not None
+            and (task in group._tasks or name.startswith(REPLICA_TASK_PREFIX))
+        ):
             return f"replica {replica.replica_id_in_sync_group}'s step"
-        if task is not None and task.get_name() == MERGE_TASK_NAME:
+        if name == MERGE_TASK_NAME:
             return "a merge_fn the step called"
         return None
 

@@ -85,6 +85,7 @@ if not _NATIVE_EAGER:  # asyncio's own (private) table of each loop's current ta
     from asyncio.tasks import _current_tasks
 _eager_task = partial(asyncio.Task, eager_start=True) if _NATIVE_EAGER else asyncio.Task
 MERGE_TASK_NAME = "aiodist-merge_fn"  # an async merge_fn's task's
+REPLICA_TASK_PREFIX = "aiodist-replica-"  # a replica's task's, before its id
 _run_in = contextvars.Context.run
 _send = GeneratorType.send
 _SUSPENDED = object()  # what _first_then_rest yields when its first step suspended
@@ -368,7 +369,7 @@ def _retrieved_once_done() -> None:
 
 def task_names(slots: Sequence[ReplicaSlot]) -> tuple[str, ...]:
     """The names of the replicas' tasks, in slot order (a strategy keeps its own)."""
-    return tuple(f"aiodist-replica-{slot.replica_id}" for slot in slots)
+    return tuple(f"{REPLICA_TASK_PREFIX}{slot.replica_id}" for slot in slots)
 
 
 class RunGroup:
